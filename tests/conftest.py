@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny random Hugging Face models converted with our own converter."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# Tiny configs covering every family we claim; vocab 256 keeps them fast.
+FAMILIES = {
+    "llama2": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=4)),
+    "llama31": ("LlamaForCausalLM", "LlamaConfig", dict(
+        num_key_value_heads=2, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64))),
+    "llama32": ("LlamaForCausalLM", "LlamaConfig", dict(
+        num_key_value_heads=2, tie_word_embeddings=True, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64))),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(num_key_value_heads=2, sliding_window=16)),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "head_dim": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=2, head_dim=24)),
+}
+
+
+def make_hf_model(family: str, seed: int = 0, **overrides):
+    import transformers
+    cls_name, cfg_name, extra = FAMILIES[family]
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    config = getattr(transformers, cfg_name)(**{**base, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(config).eval()
+    # Random init keeps logits nearly flat; widen them so greedy decoding is decisive.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+            else:
+                p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def save_and_convert(hf_model, root: Path, max_shard_size=None) -> Path:
+    """save_pretrained into root/hf, convert into root; returns root/model.pth."""
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    hf_model.save_pretrained(root / "hf", **kwargs)
+    return convert_hf_checkpoint(root)
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """family -> (hf_model, path to converted model.pth), built once per session."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            hf = make_hf_model(family)
+            cache[family] = (hf, save_and_convert(hf, tmp_path_factory.mktemp(family)))
+        return cache[family]
+    return get

@@ -1,0 +1,105 @@
+"""model.py + the HF converter against transformers, family by family."""
+import pytest
+import torch
+
+from conftest import FAMILIES, make_hf_model, save_and_convert
+from generate import generate, load_model
+from model import ModelArgs
+
+
+def our_logits(model, ids):
+    model.setup_caches(max_batch_size=ids.shape[0], max_seq_length=ids.shape[1])
+    return model(ids, torch.arange(ids.shape[1]))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_match_transformers(family, converted):
+    hf, path = converted(family)
+    model = load_model(path, "cpu", torch.float32)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        got = our_logits(model, ids)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_matches_transformers(family, converted):
+    hf, path = converted(family)
+    model = load_model(path, "cpu", torch.float32)
+    prompt = torch.tensor([5, 17, 99, 3, 42, 7])
+    expected = hf.generate(prompt[None], max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0]
+    got = generate(model, prompt, 40, temperature=0.0)[0]
+    assert got.tolist() == expected.tolist()
+    assert len(set(got[6:].tolist())) > 3, "degenerate test: the model repeats one token"
+
+
+def test_sharded_safetensors(tmp_path):
+    hf = make_hf_model("llama31", seed=3)
+    path = save_and_convert(hf, tmp_path, max_shard_size="50KB")
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
+    model = load_model(path)
+    ids = torch.randint(0, 256, (1, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(our_logits(model, ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_pytorch_bin(tmp_path):
+    hf = make_hf_model("llama2", seed=4)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=False) if "safe_serialization" in \
+        hf.save_pretrained.__code__.co_varnames else pytest.skip("transformers no longer writes .bin")
+    from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+    model = load_model(convert_hf_checkpoint(tmp_path))
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(our_logits(model, ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_cached_decode_equals_full_forward(converted):
+    _, path = converted("llama31")
+    model = load_model(path)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = our_logits(model, ids)
+        model.setup_caches(2, 24)
+        steps = [model(ids[:, :10], torch.arange(10))]
+        for t in range(10, 24):
+            steps.append(model(ids[:, t:t + 1], torch.tensor([t])))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_batch_rows_equal_single(converted):
+    _, path = converted("qwen2")
+    model = load_model(path)
+    prompt = torch.tensor([1, 2, 3, 4])
+    single = generate(model, prompt, 16, temperature=0.0)
+    batched = generate(model, prompt, 16, batch_size=3, temperature=0.0)
+    assert all(row.tolist() == single[0].tolist() for row in batched)
+
+
+def test_presets_exact_names():
+    assert ModelArgs.from_name("llama-3.1-8b").rope_scaling["rope_type"] == "llama3"
+    assert ModelArgs.from_name("7B").intermediate_size == 11008
+    assert ModelArgs.from_name("70B").n_local_heads == 8
+    with pytest.raises(ValueError, match="valid names"):
+        ModelArgs.from_name("llama-3.1-8b-instruct")  # no fuzzy matching
+    for name in ["stories15M", "stories42M", "stories110M", "7B", "13B", "30B", "34B", "70B", "Mistral-7B",
+                 "llama-3-8b", "llama-3-70b", "llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b",
+                 "llama-3.2-1b", "llama-3.2-3b"]:
+        ModelArgs.from_name(name)
+
+
+@pytest.mark.slow
+def test_compiled_decode_equals_eager(converted):
+    from generate import compile_fns
+    _, path = converted("llama31")
+    model = load_model(path)
+    prompt = torch.tensor([9, 8, 7, 6])
+    eager = generate(model, prompt, 12, temperature=0.0)
+    prefill_fn, decode_fn = compile_fns("cpu", compile_prefill=False)
+    import torch._dynamo
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        compiled = generate(model, prompt, 12, temperature=0.0, decode_fn=decode_fn)
+    assert compiled.tolist() == eager.tolist()
