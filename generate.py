@@ -280,7 +280,7 @@ def main(prompt: str, interactive: bool, chat: bool, num_samples: int, max_new_t
     for i in range(-1 if compile else 0, num_samples):
         stream = batch_size == 1 and i >= 0
         streamer = TextStreamer(tokenizer, eos_ids)
-        if stream:
+        if stream and not chat:  # a chat answer is shown without the template around the question
             sys.stdout.write(tokenizer.decode(prompt_tokens))
         profiler = torch.profiler.profile() if profile and i == num_samples - 1 else contextlib.nullcontext()
         device_sync(device)
@@ -301,7 +301,8 @@ def main(prompt: str, interactive: bool, chat: bool, num_samples: int, max_new_t
             sys.stdout.write("\n")
         else:
             for row in out.tolist():
-                print(tokenizer.decode(prompt_tokens + trim_at_eos(row[len(prompt_tokens):], set(eos_ids))))
+                completion = trim_at_eos(row[len(prompt_tokens):], set(eos_ids))
+                print(tokenizer.decode(completion if chat else prompt_tokens + completion))
         new = out.shape[1] - len(prompt_tokens)
         rates.append(new * batch_size / elapsed)
         log(f"Time for inference {i + 1}: {elapsed:.2f} s total, {rates[-1]:.2f} tokens/sec")

@@ -53,6 +53,8 @@ class Tokenizer:
         cfg = _read_json(checkpoint_dir / "tokenizer_config.json")
         gen = _read_json(checkpoint_dir / "generation_config.json")
         self.chat_template = cfg.get("chat_template")
+        if (checkpoint_dir / "chat_template.jinja").is_file():  # where transformers 5 writes it
+            self.chat_template = (checkpoint_dir / "chat_template.jinja").read_text()
         if isinstance(self.chat_template, list):  # named templates: take the default one
             self.chat_template = next((t["template"] for t in self.chat_template if t.get("name") == "default"),
                                       self.chat_template[0]["template"])

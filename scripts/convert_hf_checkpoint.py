@@ -20,7 +20,7 @@ from model import ModelArgs  # noqa: E402
 
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
-                   "special_tokens_map.json")
+                   "special_tokens_map.json", "chat_template.jinja")
 
 # HF name (layer index as {}) -> brisk name. q/k/v are fused into wqkv afterwards.
 WEIGHT_MAP = {
