@@ -159,12 +159,13 @@ def load_draft(path: Path, target: Transformer, tokenizer, device, precision) ->
 
 def vocab_difference(draft_tokenizer, tokenizer) -> Optional[str]:
     probe = "Hello, world! Speculative décodage 1234 ∑ 你好\n\tdef f(x):\n        return x ** 2"
-    if draft_tokenizer.vocab_size != tokenizer.vocab_size:
-        return f"tokenizer size {draft_tokenizer.vocab_size} vs {tokenizer.vocab_size}"
+    V = tokenizer.vocab_size
+    if draft_tokenizer.vocab_size != V:
+        return f"tokenizer size {draft_tokenizer.vocab_size} vs {V}"
     if draft_tokenizer.encode(probe) != tokenizer.encode(probe):
         return "a probe text encodes to different token ids"
-    if set(draft_tokenizer.eos_ids) != set(tokenizer.eos_ids):
-        return f"eos ids {draft_tokenizer.eos_ids} vs {tokenizer.eos_ids}"
+    if any(draft_tokenizer.decode([i]) != tokenizer.decode([i]) for i in range(0, V, max(1, V // 64))):
+        return "some token ids decode to different text"
     return None
 
 
