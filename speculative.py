@@ -81,8 +81,8 @@ def speculative_generate(model: Transformer, prompt: Tensor, max_new_tokens: int
     B, T = prompt.shape
     if B != 1:
         raise ValueError("speculative decoding generates one sequence at a time; use --batch_size 1")
-    if k < 1:
-        raise ValueError(f"--speculate_k must be at least 1, got {k}")
+    if k < 1 or (ngram is not None and ngram < 1):
+        raise ValueError(f"--speculate_k and --speculate_ngram must be at least 1, got {k} and {ngram}")
     # The last verify step writes up to k - 1 positions past the final token.
     max_seq_length = T + max_new_tokens + k - 1
     if max_seq_length > model.config.block_size:
