@@ -261,6 +261,9 @@ def main(prompt: str, interactive: bool, chat: bool, num_samples: int, max_new_t
     t0 = time.perf_counter()
     model = load_model(checkpoint_path, device, dtype)
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"wrong tokenizer for this checkpoint: it has {tokenizer.vocab_size} tokens, the model "
+                         f"{model.config.vocab_size}; re-run the conversion so the tokenizer files match")
     device_sync(device)
     log(f"Loaded {checkpoint_path} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
         f"{dtype}, {device}) in {time.perf_counter() - t0:.2f} s")
