@@ -111,3 +111,31 @@ def test_convert_unmapped_weight(tmp_path):
 def test_convert_missing_source(tmp_path):
     assert_clean_error(run(["scripts/convert_hf_checkpoint.py", "--checkpoint_dir", str(tmp_path)]),
                        "download.py")
+
+
+def test_interactive_chat_uses_template(checkpoint, tmp_path):
+    """Two turns through --interactive: each answer is the greedy continuation of the templated chat."""
+    import torch
+    from generate import generate, load_model
+    from tokenizer import load_tokenizer
+    d = tmp_path / "chat"
+    shutil.copytree(checkpoint.parent, d)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    r = subprocess.run([sys.executable, "generate.py", "--checkpoint_path", str(d / "model.pth"), "--interactive",
+                        "--temperature", "0", "--max_new_tokens", "6", "--device", "cpu"],
+                       cwd=ROOT, input="Hello there\nAnd again\n", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    answers = r.stdout.split("\n")[:2]
+
+    tok, model = load_tokenizer(d), load_model(d / "model.pth")
+    messages = [{"role": "user", "content": "Hello there"}]
+    expected = []
+    for follow_up in ("And again", None):
+        ids = tok.encode_chat(messages)
+        out = generate(model, torch.tensor(ids), 6, temperature=0.0, eos_ids=tok.eos_ids)[0, len(ids):].tolist()
+        expected.append(tok.decode([t for t in out if t not in tok.eos_ids]))
+        messages += [{"role": "assistant", "content": expected[-1]}, {"role": "user", "content": follow_up}]
+    assert answers == expected
