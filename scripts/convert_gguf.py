@@ -8,6 +8,7 @@ rows interleaved for its RoPE kernel; they are put back in the Hugging Face half
 """
 import argparse
 import json
+import math
 import re
 import sys
 from collections import Counter
@@ -78,7 +79,13 @@ PRE_TOKENIZERS = {
 
 def field(reader, key, default=None):
     f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    if f is None:
+        return default
+    value = f.contents()
+    if isinstance(value, float):  # stored as float32: take the shortest decimal for it (1e-05, not 9.99e-06)
+        import numpy as np
+        value = float(str(np.float32(value)))
+    return value
 
 
 def open_gguf(path: Path):
@@ -138,14 +145,31 @@ def rope_scaling_from_gguf(reader, arch, tensors, head_dim, rope_base):
         raise ValueError(f"unsupported GGUF rope scaling {kind!r}; supported: linear, LLaMA 3 rope_freqs")
     if ROPE_FREQS not in tensors:
         return None
-    # llama.cpp divides each frequency by rope_freqs; the LLaMA 3.1/3.2 rule is the only one that writes it.
-    # Its parameters are not stored, so take the published ones and check they reproduce the tensor.
-    freqs = torch.from_numpy(dequantize(tensors[ROPE_FREQS]).copy()).double()
-    scaling = {"rope_type": "llama3", "factor": float(freqs.max()), "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    expected = rope_frequencies(head_dim, rope_base, None) / rope_frequencies(head_dim, rope_base, scaling)
-    if expected.shape != freqs.shape or not torch.allclose(expected, freqs, rtol=1e-4):
-        raise ValueError(f"unsupported {ROPE_FREQS}: not the LLaMA 3.1/3.2 rope scaling rule")
+    divisors = torch.from_numpy(dequantize(tensors[ROPE_FREQS]).copy()).double()
+    return llama3_scaling(divisors, head_dim, rope_base)
+
+
+def llama3_scaling(divisors: torch.Tensor, head_dim: int, rope_base: float) -> dict:
+    """LLaMA 3.1 rope scaling from the per-frequency divisors llama.cpp stores instead of its parameters.
+
+    Between the two cut-offs a frequency is divided by 1 / ((1 - s) / factor + s), where s is linear
+    in 1 / wavelength; only that line matters, so low_freq_factor is fixed to 1 (as in every LLaMA 3.x)
+    and the line gives the other two. The result is checked against the file either way.
+    """
+    inv_freq = rope_frequencies(head_dim, rope_base, None)
+    factor = float(divisors.max())
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}  # LLaMA 3.1's, kept when the line is underdetermined
+    s = (1 / divisors - 1 / factor) / (1 - 1 / factor) if factor > 1 else torch.zeros_like(divisors)
+    inner = (s > 1e-4) & (s < 1 - 1e-4)
+    if inner.sum() >= 2:
+        x = inv_freq[inner] / (2 * math.pi)  # 1 / wavelength
+        a, b = torch.linalg.lstsq(torch.stack([x, torch.ones_like(x)], dim=1), s[inner, None]).solution.flatten()
+        high = 1 - 1 / float(b)
+        scaling.update(high_freq_factor=round(high, 6), original_max_position_embeddings=round(float(a) * (high - 1)))
+    expected = inv_freq / rope_frequencies(head_dim, rope_base, scaling)
+    if expected.shape != divisors.shape or not torch.allclose(expected, divisors, rtol=1e-4):
+        raise ValueError(f"unsupported {ROPE_FREQS} tensor: not the LLaMA 3.1 rope scaling rule")
     return scaling
 
 
@@ -303,7 +327,7 @@ def byte_level_bpe(tokens: list, merges: list, pre: str):
 
 def sentencepiece_bpe(tokens: list, scores: list, types: list, unk_id, add_space_prefix: bool):
     """SentencePiece BPE as a tokenizers BPE: merges ranked by the score of the piece they make."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, normalizers
     if scores is None:
         raise ValueError("GGUF SentencePiece vocabulary has no tokenizer.ggml.scores")
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -318,8 +342,10 @@ def sentencepiece_bpe(tokens: list, scores: list, types: list, unk_id, add_space
     unk = tokens[unk_id] if unk_id is not None else None
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in merges], unk_token=unk,
                                fuse_unk=True, byte_fallback=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", split=False,
-                                                 prepend_scheme="first" if add_space_prefix else "never")
+    # Like sentencepiece and llama.cpp, prefix every run of text with a space, even one that starts
+    # with a space (tokenizers' Metaspace would not) and one after a special token (llama.cpp does).
+    space = [normalizers.Prepend("\u2581")] if add_space_prefix else []
+    tok.normalizer = normalizers.Sequence(space + [normalizers.Replace(" ", "\u2581")])
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_space_prefix:
         steps.append(decoders.Strip(content=" ", left=1))
