@@ -14,6 +14,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 
 if __name__ == "__main__":  # run as a script: make the repo root importable
@@ -62,7 +63,7 @@ _TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{L
 # name -> (split regex, digits one by one first, whole words in the vocab skip the merges)
 PRE_TOKENIZERS = {
     "gpt2": (_GPT2, False, False),
-    "default": (_GPT2, False, False),
+    "default": (_GPT2, False, False),  # files that name none: GPT-2's, as transformers assumes
     "smollm": (_GPT2, True, False),
     "starcoder": (_GPT2, True, False),
     "refact": (_GPT2, True, False),
@@ -83,7 +84,6 @@ def field(reader, key, default=None):
         return default
     value = f.contents()
     if isinstance(value, float):  # stored as float32: take the shortest decimal for it (1e-05, not 9.99e-06)
-        import numpy as np
         value = float(str(np.float32(value)))
     return value
 
@@ -176,7 +176,6 @@ def llama3_scaling(divisors: torch.Tensor, head_dim: int, rope_base: float) -> d
 def dequantize(tensor):
     """A GGUF tensor as a numpy array in PyTorch's [rows, cols] order (float32 when quantized)."""
     import gguf
-    import numpy as np
     shape = tuple(int(n) for n in reversed(tensor.shape))
     kind = tensor.tensor_type
     if kind == gguf.GGMLQuantizationType.F16:
