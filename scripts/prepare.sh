@@ -13,16 +13,23 @@ REPO_ID=${1:-$DEFAULT}
 hub_reachable() {
     [ "${HF_HUB_OFFLINE:-0}" = "0" ] || return 1
     python - "$1" <<'PY'
-import os, sys, urllib.request
+import os, sys, urllib.error, urllib.request
 url = f"{os.environ.get('HF_ENDPOINT', 'https://huggingface.co').rstrip('/')}/api/models/{sys.argv[1]}"
 try:
     urllib.request.urlopen(url, timeout=5)
+except urllib.error.HTTPError:
+    pass  # the hub answered (private, missing...): download.py will say what is wrong
 except OSError:
     sys.exit(1)
 PY
 }
 
-if [ $# -gt 0 ] || hub_reachable "$DEFAULT"; then
+if [ "$REPO_ID" != "$DEFAULT" ] && ! hub_reachable "$REPO_ID"; then
+    echo "error: the Hugging Face hub is unreachable; only the default model has an offline source" \
+         "(./scripts/prepare.sh without an argument)" >&2
+    exit 1
+fi
+if [ "$REPO_ID" != "$DEFAULT" ] || hub_reachable "$DEFAULT"; then
     echo "prepare: $REPO_ID from the Hugging Face hub" >&2
     python scripts/download.py --repo_id "$REPO_ID"
     python scripts/convert_hf_checkpoint.py --checkpoint_dir "checkpoints/$REPO_ID"
