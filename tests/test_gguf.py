@@ -236,6 +236,15 @@ def test_moe_round_trip_is_exact(tmp_path):
     assert sorted(got) == sorted(state) and all(torch.equal(got[k], state[k]) for k in state)
 
 
+def test_dtype_option(tmp_path):
+    config = tiny_config()
+    state = random_brisk_state(config)
+    path = convert_gguf(write_gguf(tmp_path / "m.gguf", state, config, T.Q8_0), tmp_path / "out", dtype="bfloat16")
+    got = torch.load(path, weights_only=True)
+    assert {t.dtype for t in got.values()} == {torch.bfloat16}
+    assert torch.equal(got["norm.weight"], state["norm.weight"].bfloat16())
+
+
 # --- tokenizers rebuilt from GGUF metadata ------------------------------------------------------
 
 VARIED_TEXT = ("Héllo wörld! Ünïcödé: 你好，世界 — ça va? 🦀🚀👍🏽 naïve café\n\n"
