@@ -61,13 +61,6 @@ def test_missing_expert_is_an_error(tmp_path):
         convert_hf_checkpoint(tmp_path)
 
 
-def route(moe, x):
-    """Our router: softmax over all experts, top-k, renormalise (as MoEFeedForward.forward does)."""
-    probs = torch.softmax(moe.gate(x).float(), dim=-1)
-    weights, experts = torch.topk(probs, moe.top_k, dim=-1)
-    return experts, weights / weights.sum(dim=-1, keepdim=True)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_routing_matches_transformers(dtype, converted):
     _, path = converted("mixtral")
@@ -81,7 +74,7 @@ def test_routing_matches_transformers(dtype, converted):
     with torch.no_grad():
         hf(ids)
         our_logits(model, ids)
-        experts, weights = route(model.layers[1].feed_forward, router_inputs[0].reshape(-1, hf.config.hidden_size))
+        weights, experts = model.layers[1].feed_forward.route(router_inputs[0].reshape(-1, hf.config.hidden_size))
     for h in hooks:
         h.remove()
     _, hf_weights, hf_experts = hf_routes[0]
@@ -91,7 +84,8 @@ def test_routing_matches_transformers(dtype, converted):
     assert (experts.unique() == torch.arange(4)).all(), "degenerate test: some expert is never chosen"
     order = lambda e, w: w.gather(1, e.argsort(dim=-1))  # weights in expert order, comparable across ties
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(order(experts, weights)[same], order(hf_experts, hf_weights)[same].float(), **tol)
+    torch.testing.assert_close(order(experts, weights)[same].float(), order(hf_experts, hf_weights)[same].float(),
+                               **tol)
 
 
 def test_decode_reads_only_selected_experts(converted):
@@ -100,7 +94,7 @@ def test_decode_reads_only_selected_experts(converted):
     model = load_model(path)
     moe = model.layers[0].feed_forward
     x = torch.randn(1, 1, model.config.dim)
-    experts, _ = route(moe, x.reshape(1, -1))
+    _, experts = moe.route(x.reshape(1, -1))
     unused = sorted(set(range(4)) - set(experts[0].tolist()))
     with torch.no_grad():
         expected = moe(x)
@@ -110,13 +104,24 @@ def test_decode_reads_only_selected_experts(converted):
 
 
 def test_batched_decode_equals_single(converted):
-    # batch 3 decodes 3 tokens x top-2 > 4 experts: the all-experts path, against the gathered one.
     _, path = converted("mixtral")
     model = load_model(path)
     prompts = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(3))
     batched = generate(model, prompts, 12, temperature=0.0)
     for row, prompt in zip(batched, prompts):
         assert row.tolist() == generate(model, prompt, 12, temperature=0.0)[0].tolist()
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5])
+def test_compiled_moe_equals_eager(tokens, converted):
+    # Compiled, 1-2 tokens x top-2 <= 4 experts gather the selected experts; 5 tokens run all experts.
+    import torch._dynamo
+    _, path = converted("mixtral")
+    moe = load_model(path).layers[0].feed_forward
+    x = torch.randn(1, tokens, moe.w1.shape[-1], generator=torch.Generator().manual_seed(tokens))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(moe, fullgraph=True)(x), moe(x), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow
