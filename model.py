@@ -239,6 +239,10 @@ class MoEFeedForward(nn.Module):
     def expert(self, x: Tensor, e: int) -> Tensor:
         return F.linear(F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e])
 
+    def expert_weights(self, experts: Tensor):
+        """w1, w3 (N, k, I, D), w2 (N, k, D, I) of the selected experts; compiled, the gather fuses into the matmuls."""
+        return self.w1[experts], self.w3[experts], self.w2[experts]
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, D)
@@ -252,10 +256,10 @@ class MoEFeedForward(nn.Module):
                 out.index_add_(0, token, weights[token, slot, None] * self.expert(x[token], e))
             return out.reshape(shape)
         if x.shape[0] * self.top_k <= E:
-            # Compiled decode: the gather fuses into the matmuls, so only the selected experts are read.
-            w1, w3, w2 = self.w1[experts], self.w3[experts], self.w2[experts]  # (N, k, I, D), (N, k, D, I)
-            h = F.silu(torch.einsum("nd,nkid->nki", x, w1)) * torch.einsum("nd,nkid->nki", x, w3)
-            y = torch.einsum("nki,nkdi->nkd", h, w2)
+            # Compiled decode: only the selected experts' weights are read.
+            w1, w3, w2 = self.expert_weights(experts)
+            h = F.silu(torch.einsum("nd,nkid->nki", x, w1)) * torch.einsum("nd,nkid->nki", x, w3)  # (N, k, I)
+            y = torch.einsum("nki,nkdi->nkd", h, w2)  # (N, k, D)
             return torch.einsum("nkd,nk->nd", y, weights).reshape(shape)
         # Compiled, many tokens: static shapes, so every expert runs on all tokens; unselected ones weigh 0.
         dense = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device).scatter(1, experts, weights)  # (N, E)
