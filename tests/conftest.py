@@ -24,6 +24,8 @@ FAMILIES = {
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(num_key_value_heads=2, sliding_window=16)),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "head_dim": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=2, head_dim=24)),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4,
+                                                             num_experts_per_tok=2)),
 }
 
 
