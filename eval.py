@@ -273,8 +273,12 @@ def run_tasks(lm, tasks: list, num_fewshot: Optional[int], limit: Optional[float
                          "with your own task YAML files")
     if limit is not None and limit >= 1:
         limit = int(limit)
-    return simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-                           apply_chat_template=apply_chat_template, log_samples=False)
+    try:
+        return simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                               apply_chat_template=apply_chat_template, log_samples=False)
+    except ConnectionError as e:  # datasets could not fetch a task's data
+        raise ValueError(f"{e}: lm_eval's tasks download their data from the Hugging Face Hub; run once online "
+                         "(datasets caches it, then set HF_DATASETS_OFFLINE=1) or use local tasks (--include_path)") from e
 
 
 def require_lm_eval():
