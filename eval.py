@@ -39,7 +39,7 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm_eval's HF model default, for tasks that set non
 
 def progress(total: int, desc: str):
     from tqdm import tqdm  # ships with huggingface_hub
-    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=total == 0)
+    return tqdm(total=total, desc=desc, file=sys.stderr, disable=total == 0)
 
 
 class Scorer:
@@ -144,9 +144,9 @@ class Scorer:
 
     def perplexity(self, tokens: list, stride: int) -> tuple:
         """Hugging Face's strided perplexity: windows of max_length tokens start every `stride`
-        tokens, and each scores the tokens no earlier window scored, except its own first token,
-        which has no context in it (with stride == max_length, one token per window; the first
-        of the text, always). Returns (perplexity, tokens scored)."""
+        tokens; each scores the tokens no earlier window scored, but never its own first token,
+        which has no context in it (so the text's first token is never scored, and with
+        stride == max_length no window's first). Returns (perplexity, number of tokens scored)."""
         if not 0 < stride <= self.max_length:
             raise ValueError(f"--stride must be between 1 and --max_seq_length ({self.max_length}), got {stride}")
         if len(tokens) < 2:
@@ -267,10 +267,10 @@ def run_tasks(lm, tasks: list, num_fewshot: Optional[int], limit: Optional[float
     manager = TaskManager(include_path=str(include_path), include_defaults=False) if include_path else None
     if manager is None or not set(tasks) <= set(manager.all_tasks):
         manager = TaskManager(include_path=str(include_path) if include_path else None)
-    unknown = [t for t in tasks if t not in manager.all_tasks]
+    unknown = [t for t in tasks if t not in manager.all_tasks and not Path(t).is_file()]
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; see `lm-eval ls tasks`, or pass --include_path DIR "
-                         "with your own task YAML files")
+                         "with your own task YAML files (or a YAML file's path as the task)")
     if limit is not None and limit >= 1:
         limit = int(limit)
     try:
@@ -304,7 +304,8 @@ def main(checkpoint_path: Path, tasks: Optional[list], perplexity: Optional[Path
     dtype = PRECISIONS[precision] if precision else default_precision(device)
 
     t0 = time.perf_counter()
-    # Tensor parallelism plugs in here (tp.py): load this rank's shard and print on rank 0 only.
+    # Tensor parallelism plugs in here (tp.py): every rank loads its shard and runs every request
+    # (lm_eval sees one process); only rank 0 prints and writes --output_json.
     model = load_model(checkpoint_path, device, dtype)
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     device_sync(device)

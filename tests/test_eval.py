@@ -121,6 +121,20 @@ def test_generation_batches_equal_length_prompts(tiny):
         assert text == hf_tok.decode(out[len(prompt):], skip_special_tokens=True)
 
 
+def test_one_token_choices_share_a_forward_pass(tiny):
+    _, _, path, _ = tiny
+    scorer = Scorer(load_model(path), load_tokenizer(path.parent), MAX_LENGTH, batch_size=1)
+    calls = []
+    forward = scorer.forward
+    scorer.forward = lambda x, input_pos: calls.append(x.shape) or forward(x, input_pos)
+    contexts = [[5, 6, 7], [8, 9, 10, 11]]
+    requests = [(ctx + [answer], 1) for ctx in contexts for answer in (20, 21, 22)] + [([5, 6, 7, 20, 21], 2)]
+    results = scorer.score(requests)
+    assert len(calls) == 3  # one per distinct model input: two contexts, and [5, 6, 7, 20]
+    unshared = [scorer.score([r])[0] for r in requests]
+    assert [lp for lp, _ in results] == pytest.approx([lp for lp, _ in unshared], abs=1e-5)
+
+
 def hf_strided_perplexity(hf, ids, max_length, stride):
     """Hugging Face's perplexity recipe, dividing by the number of tokens actually scored."""
     nll, scored, count = 0.0, 0, 0
