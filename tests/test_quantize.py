@@ -213,3 +213,78 @@ def test_model_equals_dequantized_model(family, mode, groupsize, tmp_path, monke
     assert (errors < 3e-2).float().mean() >= (0.9 if family == "moe" else 1.0)
     # The dequantize path computes in fp32: equal to float tolerance.
     torch.testing.assert_close(logits(load_without_kernels(qpath, monkeypatch)), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "tied_bias"])
+def test_error_against_unquantized_model(family, tmp_path):
+    # Gaussian weights are the hard case (no structure to exploit). Per matrix, int8 with one scale
+    # per row of 64 has a relative RMS error of about max|w| / 127 / sqrt(12) / std ~= 0.6%, int4 with
+    # groups of 32 about range / 15 / sqrt(12) / std ~= 8%; this 2-layer model amplifies weight error
+    # about 5x into the logits (measured: int8 3.0-3.3%, int4 g32 31-35%, bf16 1.7%).
+    path = save_random_model(tmp_path, **MODELS[family])
+    base = logits(load_model(path))
+    int8 = rel_error(logits(load_model(quantize.quantize_checkpoint(path, "int8"))), base)
+    int4 = rel_error(logits(load_model(quantize.quantize_checkpoint(path, "int4", 32))), base)
+    assert int8 < 0.05 and int4 < 0.5 and int8 < int4 / 5
+
+
+def test_metadata_records_every_module(tmp_path):
+    path = save_random_model(tmp_path, tie_embeddings=True, num_experts=4, num_activated_experts=2)
+    ckpt = torch.load(quantize.quantize_checkpoint(path, "int4", 128), weights_only=True)
+    meta = ckpt["quantization"]
+    assert (meta["format"], meta["mode"], meta["bits"], meta["groupsize"]) == (quantize.FORMAT_VERSION, "int4", 4, 128)
+    with torch.device("meta"):
+        model = Transformer(ModelArgs.from_json(tmp_path / "config.json"))
+    modules = {n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding,
+                                                                     MoEFeedForward))}
+    assert set(meta["layers"]) == modules  # nothing silently skipped
+    layers = meta["layers"]
+    assert layers["tok_embeddings"] == {"kind": "int8"}
+    assert layers["output"] == {"kind": "int4", "groupsize": 128, "padded_in_features": 128}  # dim 64 padded
+    assert layers["layers.0.feed_forward"]["padded_in_features"] == {"w1": 128, "w3": 128, "w2": 256}
+    assert layers["layers.0.feed_forward.gate"]["kind"] == "none" and layers["layers.0.feed_forward.gate"]["reason"]
+
+
+def test_renamed_file_loads_by_its_metadata(tmp_path):
+    path = save_random_model(tmp_path)
+    int8 = quantize.quantize_checkpoint(path, "int8")
+    assert int8.name == "model_int8.pth"
+    expected = logits(load_model(int8))
+    misleading = int8.rename(tmp_path / "model_int4.g32.pth")  # the name says int4; the metadata says int8
+    model = load_model(misleading)
+    assert isinstance(model.output, quantize.Int8Linear)
+    torch.testing.assert_close(logits(model), expected, rtol=0, atol=0)
+
+
+def test_bf16_model(tmp_path):
+    path = save_random_model(tmp_path, attention_bias=True)
+    qpath = quantize.quantize_checkpoint(path, "int4", 32)
+    expected = logits(load_model(qpath))
+    got = logits(load_model(qpath, precision=torch.bfloat16))
+    assert got.dtype == torch.bfloat16 and rel_error(got.float(), expected) < 3e-2
+
+
+def test_bad_input(tmp_path):
+    path = save_random_model(tmp_path)
+    with pytest.raises(ValueError, match="unknown --mode 'int3'; valid modes: int8, int4"):
+        quantize.quantize_checkpoint(path, "int3")
+    with pytest.raises(ValueError, match="--groupsize 48 is not supported .* 32, 64, 128, 256"):
+        quantize.quantize_checkpoint(path, "int4", 48)
+    with pytest.raises(ValueError, match="--groupsize applies to int4 only"):
+        quantize.quantize_checkpoint(path, "int8", 32)
+    with pytest.raises(FileNotFoundError, match="checkpoint .*missing.pth not found"):
+        quantize.quantize_checkpoint(tmp_path / "missing.pth", "int8")
+    int8 = quantize.quantize_checkpoint(path, "int8")
+    with pytest.raises(ValueError, match="already quantized \\(int8\\); quantize the full-precision model.pth"):
+        quantize.quantize_checkpoint(int8, "int4")
+
+
+def test_cli(tmp_path, capsys):
+    path = save_random_model(tmp_path)
+    quantize.cli(["--checkpoint_path", str(path), "--mode", "int4", "--groupsize", "64"])
+    err = capsys.readouterr().err
+    assert "layers.1.feed_forward.w2" in err and "int4 g64" in err  # progress per layer
+    assert (tmp_path / "model_int4.g64.pth").is_file() and not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(SystemExit) as e:
+        quantize.cli(["--checkpoint_path", str(tmp_path / "model_int4.g64.pth"), "--mode", "int8"])
+    assert str(e.value.code).startswith("error: ") and "already quantized" in str(e.value.code)
