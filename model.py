@@ -141,7 +141,7 @@ class Transformer(nn.Module):
         if self.max_seq_length >= max_seq_length and self.max_batch_size >= max_batch_size:
             return
         c = self.config
-        weight = self.tok_embeddings.weight
+        weight = self.norm.weight  # the model dtype, also when quantize.py made the embedding int8
         dtype = dtype or weight.dtype
         device = device or weight.device
         self.max_seq_length, self.max_batch_size = max_seq_length, max_batch_size
