@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from conftest import make_hf_model, save_and_convert
+import quantize
 from generate import cli, generate, load_model
 from speculative import accept_draft, ngram_draft, speculative_generate
 
@@ -43,6 +44,7 @@ def paths(tmp_path_factory):
 def models(paths):
     # The self-draft is a second instance: each model owns its KV cache.
     return {"target": load_model(paths["target"]), "self": load_model(paths["target"]),
+            "int8": load_model(quantize.quantize_checkpoint(paths["target"], "int8")),
             "other": load_model(paths["other"])}
 
 
@@ -54,7 +56,7 @@ def speculate(models, drafter, k, max_new_tokens, **kwargs):
 
 
 @pytest.mark.parametrize("k", [1, 3, 4])
-@pytest.mark.parametrize("drafter", ["self", "other", "ngram"])
+@pytest.mark.parametrize("drafter", ["self", "int8", "other", "ngram"])
 def test_greedy_equals_plain_greedy(models, drafter, k):
     target = models["target"]
     plain = generate(target, PROMPT, 40)[0].tolist()
@@ -62,6 +64,8 @@ def test_greedy_equals_plain_greedy(models, drafter, k):
     assert spec == plain
     if drafter == "self":  # the same model drafts exactly what the target picks
         assert accepted == [k] * len(accepted)
+    elif drafter == "int8":
+        assert sum(accepted) > 0.7 * k * len(accepted), "the quantized twin should agree mostly"
     elif drafter == "other":
         assert sum(accepted) < k * len(accepted), "the unrelated draft was never rejected"
     else:
@@ -190,3 +194,19 @@ def test_compiled_equals_eager(models):
     for drafter in ["other", "ngram"]:
         spec, _ = speculate(models, drafter, 3, 20, verify_fn=verify_fn, draft_fn=decode_fn)
         assert spec == plain
+
+
+@pytest.mark.slow
+def test_real_model(default_model):
+    """SmolLM2: prompt lookup and an int4 self-draft give greedy's tokens, with drafts accepted."""
+    from tokenizer import load_tokenizer
+    code = "\n".join(f"def f{i}(x):\n    return x * {i} + {i + 1}\n" for i in range(8))
+    tokenizer = load_tokenizer(default_model.parent)
+    prompt = torch.tensor(tokenizer.encode_chat([{"role": "user", "content": "Add type hints:\n" + code}]))
+    target = load_model(default_model)
+    plain = generate(target, prompt, 48)[0].tolist()
+    int4 = load_model(quantize.quantize_checkpoint(default_model, "int4", 32))
+    for draft in [dict(ngram=3, k=6), dict(draft_model=int4, k=4)]:
+        accepted = []
+        assert speculative_generate(target, prompt, 48, accepted=accepted, **draft)[0].tolist() == plain
+        assert sum(accepted) > len(accepted), f"fewer than one accepted draft token per step: {accepted}"
