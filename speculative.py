@@ -42,7 +42,7 @@ def accept_draft(draft: Tensor, q: Tensor, p: Tensor):
     p_x = p[:, :k].gather(-1, draft[..., None])[..., 0]  # (B, k)
     q_x = q.gather(-1, draft[..., None])[..., 0]  # (B, k)
     keep = torch.rand_like(q_x) * q_x < p_x  # u < p/q without dividing by q
-    n = keep.int().cumprod(dim=1).sum(dim=1)  # length of the leading run of kept tokens (B,)
+    n = keep.float().cumprod(dim=1).sum(dim=1).long()  # length of the leading run of kept tokens (B,)
     rows = torch.arange(B, device=draft.device)
     q = F.pad(q, (0, 0, 0, 1))  # q = 0 at the bonus position, so the residual there is p itself
     residual = (p[rows, n] - q[rows, n]).clamp(min=0)  # (B, V), unnormalised
