@@ -305,7 +305,7 @@ def main(prompt: str, interactive: bool, chat: Optional[bool], num_samples: int,
         draft = None
         if draft_checkpoint_path is not None:
             draft = speculative.load_draft(draft_checkpoint_path, model, tokenizer, device, dtype)
-            log(f"Draft {draft_checkpoint_path}: {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters")
+            log(f"Loaded draft {draft_checkpoint_path} ({model_bytes(draft) / 1e6:.0f} MB of weights)")
         accepted = []
         generate_fn = functools.partial(
             speculative.speculative_generate, draft_model=draft, ngram=speculate_ngram, k=speculate_k,
