@@ -95,9 +95,9 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
 
         ff = layer.feed_forward
         if isinstance(ff, MoEFeedForward):  # the router (ff.gate) stays whole: every rank picks the same experts
-            ff.w1 = nn.Parameter(_take(ff.w1.data, 1, **shard), requires_grad=False)  # (E, I/n, D)
-            ff.w3 = nn.Parameter(_take(ff.w3.data, 1, **shard), requires_grad=False)  # (E, I/n, D)
-            ff.w2 = nn.Parameter(_take(ff.w2.data, 2, **shard), requires_grad=False)  # (E, D, I/n)
+            ff.w1 = nn.Parameter(_take(ff.w1.data, 1, **shard))  # (E, I/n, D)
+            ff.w3 = nn.Parameter(_take(ff.w3.data, 1, **shard))  # (E, I/n, D)
+            ff.w2 = nn.Parameter(_take(ff.w2.data, 2, **shard))  # (E, D, I/n)
         else:
             assert isinstance(ff, FeedForward), type(ff)
             _shard_linear(ff.w1, "out", **shard)
@@ -129,8 +129,9 @@ def _take(t: Tensor, dim: int, rank: int, world_size: int, parts=None, pad: bool
     pieces = t.split(parts or [t.shape[dim]], dim=dim)
     for p in pieces:
         assert p.shape[dim] % world_size == 0, (t.shape, dim, parts, world_size)
-    # Row slices of a contiguous tensor stay views (of the mmap'd checkpoint); column slices are copied.
-    return torch.cat([p.chunk(world_size, dim=dim)[rank] for p in pieces], dim=dim).contiguous()
+    chunks = [p.chunk(world_size, dim=dim)[rank] for p in pieces]
+    # A row slice stays a view (of the mmap'd checkpoint, until it moves to the device); columns are copied.
+    return (chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=dim)).contiguous()
 
 
 def _shard_linear(linear: nn.Module, side: str, **shard):
@@ -139,12 +140,12 @@ def _shard_linear(linear: nn.Module, side: str, **shard):
     assert isinstance(linear, nn.Linear), f"no tensor-parallel layout for {type(linear).__name__}"
     if side == "in":
         assert linear.bias is None, "a bias on an input-split linear would be added once per rank"
-        linear.weight = nn.Parameter(_take(linear.weight.data, 1, **shard), requires_grad=False)
+        linear.weight = nn.Parameter(_take(linear.weight.data, 1, **shard))
         linear.in_features = linear.weight.shape[1]
         return
-    linear.weight = nn.Parameter(_take(linear.weight.data, 0, **shard), requires_grad=False)
+    linear.weight = nn.Parameter(_take(linear.weight.data, 0, **shard))
     if linear.bias is not None:
-        linear.bias = nn.Parameter(_take(linear.bias.data, 0, **shard), requires_grad=False)
+        linear.bias = nn.Parameter(_take(linear.bias.data, 0, **shard))
     linear.out_features = linear.weight.shape[0]
 
 
