@@ -234,9 +234,17 @@ class TextStreamer:
         self.tokens.append(t)
         text = self.tokenizer.decode(self.tokens)
         if not text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next piece
-            sys.stdout.write(text[len(self.printed):])
-            sys.stdout.flush()
-            self.printed = text
+            self._write(text)
+
+    def finish(self) -> str:
+        """Print what was held back (a sequence that never completed) and return the whole text."""
+        self._write(self.tokenizer.decode(self.tokens))
+        return self.printed
+
+    def _write(self, text: str):
+        sys.stdout.write(text[len(self.printed):])
+        sys.stdout.flush()
+        self.printed = text
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool, config: ModelArgs) -> list:
@@ -270,6 +278,9 @@ def main(prompt: str, interactive: bool, chat: bool, num_samples: int, max_new_t
     t0 = time.perf_counter()
     model = load_model(checkpoint_path, device, dtype, tp=dist)
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"wrong tokenizer for this checkpoint: it has {tokenizer.vocab_size} tokens, the model "
+                         f"{model.config.vocab_size}; re-run the conversion so the tokenizer files match")
     device_sync(device)
     log(f"Loaded {checkpoint_path} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
         f"{dtype}, {device}) in {time.perf_counter() - t0:.2f} s")
@@ -307,6 +318,7 @@ def main(prompt: str, interactive: bool, chat: bool, num_samples: int, max_new_t
             log(f"Compilation (and first run) took {elapsed:.2f} s")
             continue
         if stream:
+            streamer.finish()
             sys.stdout.write("\n")
         else:
             for row in out.tolist():
@@ -340,8 +352,8 @@ def chat_loop(model, tokenizer, device, max_new_tokens, prefill_fn, decode_fn, s
         streamer = TextStreamer(tokenizer, tokenizer.eos_ids)
         generate(model, torch.tensor(tokens, device=device), budget, eos_ids=tokenizer.eos_ids,
                  callback=streamer, prefill_fn=prefill_fn, decode_fn=decode_fn, **sampling)
+        messages.append({"role": "assistant", "content": streamer.finish()})
         sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": streamer.printed})
 
 
 def parse_args(argv=None):
