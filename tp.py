@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from model import FeedForward, MoEFeedForward, Transformer
+from model import MoEFeedForward, Transformer
+from quantize import Int4Linear, Int8Linear, QuantizedMoEFeedForward
 
 
 class Dist(NamedTuple):
@@ -74,6 +75,22 @@ def check_divisible(config, world_size: int):
                              f"this model runs with --nproc_per_node in: {valid}")
 
 
+# Where each stored tensor of a linear layer keeps its (output, input) features; None: it has no such
+# dim and stays whole. int4 packs two input columns per byte: its input splits fall on group bounds.
+LINEAR_LAYOUTS = {
+    nn.Linear: {"weight": (0, 1), "bias": (0, None)},
+    Int8Linear: {"weight": (0, 1), "scales": (0, None), "bias": (0, None)},
+    Int4Linear: {"weight": (0, 1), "scales_and_zeros": (1, 0), "bias": (0, None)},
+}
+# Stacked experts: the dim of the expert hidden size I in each tensor; the rest (w2's scales) stays whole.
+MOE_LAYOUTS = {
+    (MoEFeedForward, None): {"w1": 1, "w3": 1, "w2": 2},  # (E, I, D), (E, I, D), (E, D, I)
+    (QuantizedMoEFeedForward, 8): {"w1": 1, "w1_scales": 1, "w3": 1, "w3_scales": 1, "w2": 2},
+    (QuantizedMoEFeedForward, 4): {"w1": 1, "w1_scales_and_zeros": 2, "w3": 1, "w3_scales_and_zeros": 2,
+                                   "w2": 2, "w2_scales_and_zeros": 1},  # (E, Kp/g, N, 2) scales
+}
+
+
 def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
     """Keep this rank's shard of every weight and add the collectives that join the shards.
 
@@ -94,12 +111,9 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
         attn.register_forward_hook(_all_reduce_output(group))
 
         ff = layer.feed_forward
-        if isinstance(ff, MoEFeedForward):  # the router (ff.gate) stays whole: every rank picks the same experts
-            ff.w1 = nn.Parameter(_take(ff.w1.data, 1, **shard))  # (E, I/n, D)
-            ff.w3 = nn.Parameter(_take(ff.w3.data, 1, **shard))  # (E, I/n, D)
-            ff.w2 = nn.Parameter(_take(ff.w2.data, 2, **shard))  # (E, D, I/n)
+        if isinstance(ff, (MoEFeedForward, QuantizedMoEFeedForward)):
+            _shard_experts(ff, **shard)  # the router (ff.gate) stays whole: every rank picks the same experts
         else:
-            assert isinstance(ff, FeedForward), type(ff)
             _shard_linear(ff.w1, "out", **shard)
             _shard_linear(ff.w3, "out", **shard)
             _shard_linear(ff.w2, "in", **shard)
@@ -108,14 +122,54 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
     # The vocab projection is ~20% of a small model's bytes per token (SmolLM2, LLaMA-3.2-1B): split it
     # by rows and gather the logits. A tied tok_embeddings stays whole (a lookup reads only B*T rows),
     # so the output shard becomes its own Parameter, a view of the embedding's rows where it can be.
-    vocab = c.vocab_size
     _shard_linear(model.output, "out", pad=True, **shard)
-    model.output.register_forward_hook(_all_gather_logits(group, vocab))
+    model.output.register_forward_hook(_all_gather_logits(group, c.vocab_size))
 
     # setup_caches sizes the KV cache from the config: it must describe this rank's shard.
     model.config = replace(c, n_head=c.n_head // world_size, n_local_heads=c.n_local_heads // world_size,
                            intermediate_size=c.intermediate_size // world_size)
     return model
+
+
+def _shard_linear(linear: nn.Module, side: str, rank: int, world_size: int, parts=None, pad=False):
+    """side "out": split the output features (no collective needed); "in": split the input features,
+    leaving partial sums that an all-reduce adds up."""
+    layout = LINEAR_LAYOUTS.get(type(linear))
+    assert layout is not None, f"no tensor-parallel layout for {type(linear).__name__}"
+    assert getattr(linear, "kernel", None) is None, "apply_tp slices the stored layout: call it before finalize"
+    if side == "in" and isinstance(linear, Int4Linear):
+        _check_int4_split(linear.in_features, linear.scales_and_zeros.shape[0], linear.groupsize, world_size)
+    for name, (out_dim, in_dim) in layout.items():
+        t = getattr(linear, name)
+        dim = out_dim if side == "out" else in_dim
+        if t is None or dim is None:
+            assert t is None or name != "bias", "a bias on an input-split linear would be added once per rank"
+            continue
+        _replace(linear, name, _take(t, dim, rank, world_size, parts, pad))
+    if side == "out":
+        linear.out_features = -(-linear.out_features // world_size)  # padded up when pad=True
+    else:
+        linear.in_features //= world_size
+
+
+def _shard_experts(ff: nn.Module, rank: int, world_size: int):
+    bits = getattr(ff, "bits", None)
+    assert not getattr(ff, "kernels", None), "apply_tp slices the stored layout: call it before finalize"
+    if bits == 4:
+        _check_int4_split(ff.w1.shape[1], ff.w2_scales_and_zeros.shape[1], ff.groupsize, world_size)
+    for name, dim in MOE_LAYOUTS[type(ff), bits].items():
+        _replace(ff, name, _take(getattr(ff, name), dim, rank, world_size))
+
+
+def _check_int4_split(in_features: int, groups: int, groupsize: int, world_size: int):
+    if groups * groupsize != in_features or groups % world_size:
+        raise ValueError(f"an int4 layer with {in_features} input features in groups of {groupsize} cannot be split "
+                         f"across {world_size} ranks; re-quantize with a --groupsize that divides "
+                         f"{in_features // world_size}")
+
+
+def _replace(module: nn.Module, name: str, t: Tensor):
+    setattr(module, name, nn.Parameter(t) if isinstance(getattr(module, name), nn.Parameter) else t)
 
 
 def _take(t: Tensor, dim: int, rank: int, world_size: int, parts=None, pad: bool = False) -> Tensor:
@@ -132,21 +186,6 @@ def _take(t: Tensor, dim: int, rank: int, world_size: int, parts=None, pad: bool
     chunks = [p.chunk(world_size, dim=dim)[rank] for p in pieces]
     # A row slice stays a view (of the mmap'd checkpoint, until it moves to the device); columns are copied.
     return (chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=dim)).contiguous()
-
-
-def _shard_linear(linear: nn.Module, side: str, **shard):
-    """side "out": split the output features (no collective needed); "in": split the input features,
-    leaving partial sums that an all-reduce adds up."""
-    assert isinstance(linear, nn.Linear), f"no tensor-parallel layout for {type(linear).__name__}"
-    if side == "in":
-        assert linear.bias is None, "a bias on an input-split linear would be added once per rank"
-        linear.weight = nn.Parameter(_take(linear.weight.data, 1, **shard))
-        linear.in_features = linear.weight.shape[1]
-        return
-    linear.weight = nn.Parameter(_take(linear.weight.data, 0, **shard))
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(_take(linear.bias.data, 0, **shard))
-    linear.out_features = linear.weight.shape[0]
 
 
 def _all_reduce_output(group):

@@ -1,4 +1,5 @@
 """tp.py: 2-way tensor parallelism under torchrun on the CPU (gloo) against the single-process model."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -10,8 +11,9 @@ import torch
 from conftest import make_hf_model, save_and_convert
 from generate import cli, generate, load_model
 from model import ModelArgs, Transformer
+import quantize
 from tp import check_divisible, maybe_init_dist
-from tp_worker import PROMPT, logits
+from tp_worker import PROMPT, dequant_only, logits
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,7 +28,7 @@ def torchrun(*args, timeout=600) -> subprocess.CompletedProcess:
 def save_random_moe(root: Path) -> Path:
     """A tiny Mixtral-shaped checkpoint (4 experts, top-2, GQA) with random weights."""
     config = ModelArgs(block_size=256, vocab_size=256, n_layer=2, n_head=4, n_local_heads=2, dim=64,
-                       intermediate_size=96, num_experts=4, num_activated_experts=2)
+                       intermediate_size=128, num_experts=4, num_activated_experts=2)
     torch.manual_seed(0)
     model = Transformer(config)
     with torch.no_grad():
@@ -51,13 +53,19 @@ def save_byte_tokenizer(root: Path):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
-    return {
+    paths = {
         # GQA + q/k/v bias + tied embeddings (the output shard is a view of the embedding rows).
         "qwen2": save_and_convert(make_hf_model("qwen2"), root / "qwen2"),
         # Untied, and a vocab of 255 that 2 ranks split only with padding.
-        "llama_odd_vocab": save_and_convert(make_hf_model("llama31", vocab_size=255), root / "llama"),
+        "llama_odd_vocab": save_and_convert(make_hf_model("llama31", vocab_size=255, intermediate_size=128),
+                                            root / "llama"),
         "moe": save_random_moe(root / "moe"),
     }
+    paths["qwen2_int8"] = quantize.quantize_checkpoint(paths["qwen2"], "int8")
+    paths["llama_odd_vocab_int4"] = quantize.quantize_checkpoint(paths["llama_odd_vocab"], "int4", 32)
+    paths["moe_int8"] = quantize.quantize_checkpoint(paths["moe"], "int8")
+    paths["moe_int4"] = quantize.quantize_checkpoint(paths["moe"], "int4", 32)
+    return paths
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +77,34 @@ def tp_results(checkpoints, tmp_path_factory):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama_odd_vocab", "moe"])
+@pytest.mark.parametrize("name", ["qwen2", "llama_odd_vocab", "moe", "qwen2_int8:dequant",
+                                  "llama_odd_vocab_int4:dequant", "moe_int8:dequant", "moe_int4:dequant"])
 def test_tp_matches_single_process(name, checkpoints, tp_results):
+    """Sharded == whole to fp32 precision (quantized layers on the fp32 dequantize path)."""
+    name, _, variant = name.partition(":")
     path = checkpoints[name]
-    got = tp_results[str(path)]
-    model = load_model(path)
+    got = tp_results[f"{path}:{variant}" if variant else str(path)]
+    with dequant_only() if variant else contextlib.nullcontext():
+        model = load_model(path)
     torch.testing.assert_close(got["logits"], logits(model), atol=2e-5, rtol=1e-5)
     expected = generate(model, PROMPT, 20, temperature=0.0)
     assert got["greedy"].tolist() == expected.tolist()
     assert len(set(expected[0, len(PROMPT):].tolist())) > 3, "degenerate test: the model repeats one token"
-    # Sampling: every rank drew the same tokens (same seed, bit-identical gathered logits).
+    assert_ranks_sampled_alike(got)
+
+
+@pytest.mark.parametrize("name", ["qwen2_int8", "llama_odd_vocab_int4", "moe_int8", "moe_int4"])
+def test_tp_quantized_kernels(name, checkpoints, tp_results):
+    """With the CPU int8/int4 kernels (bf16 activations) sharded and whole agree to bf16 precision:
+    a misplaced scale or nibble would be off by the size of the logits (~5), not by ~0.05."""
+    path = checkpoints[name]
+    got = tp_results[str(path)]
+    torch.testing.assert_close(got["logits"], logits(load_model(path)), atol=0.15, rtol=0.02)
+    assert_ranks_sampled_alike(got)
+
+
+def assert_ranks_sampled_alike(got):
+    """Every rank drew the same tokens (same seed, bit-identical gathered logits)."""
     rank0, rank1 = got["sampled_by_rank"]
     assert rank0.tolist() == rank1.tolist()
     assert rank0[0].tolist() != rank0[1].tolist(), "degenerate test: sampling rows should differ"
