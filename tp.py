@@ -23,7 +23,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from model import MoEFeedForward, Transformer
-from quantize import Int4Linear, Int8Linear, QuantizedMoEFeedForward
+from quantize import GROUP_SIZES, Int4Linear, Int8Linear, QuantizedMoEFeedForward
 
 
 class Dist(NamedTuple):
@@ -163,9 +163,10 @@ def _shard_experts(ff: nn.Module, rank: int, world_size: int):
 
 def _check_int4_split(in_features: int, groups: int, groupsize: int, world_size: int):
     if groups * groupsize != in_features or groups % world_size:
-        raise ValueError(f"an int4 layer with {in_features} input features in groups of {groupsize} cannot be split "
-                         f"across {world_size} ranks; re-quantize with a --groupsize that divides "
-                         f"{in_features // world_size}")
+        valid = [str(g) for g in GROUP_SIZES if in_features // world_size % g == 0]
+        fix = f"re-quantize with --groupsize {' or '.join(valid)}" if valid else "use int8 or fewer ranks"
+        raise ValueError(f"an int4 layer with {in_features} input features in groups of {groupsize} does not split "
+                         f"into whole groups across {world_size} ranks; {fix}")
 
 
 def _replace(module: nn.Module, name: str, t: Tensor):

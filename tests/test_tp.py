@@ -12,7 +12,7 @@ from conftest import make_hf_model, save_and_convert
 from generate import cli, generate, load_model
 from model import ModelArgs, Transformer
 import quantize
-from tp import check_divisible, maybe_init_dist
+from tp import Dist, check_divisible, maybe_init_dist
 from tp_worker import PROMPT, dequant_only, logits
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,6 +134,16 @@ def test_divisibility_errors():
     with pytest.raises(ValueError, match=r"^intermediate_size \(of each expert\) = 90 "):
         check_divisible(ModelArgs(n_head=4, dim=64, intermediate_size=90, num_experts=4), 4)
     check_divisible(ModelArgs.from_name("llama-3-70b"), 8)
+
+
+@pytest.mark.parametrize("groupsize,message", [
+    (32, "160 input features in groups of 32 does not split into whole groups across 2 ranks; use int8 or fewer"),
+    (64, "64 input features in groups of 64 .*; re-quantize with --groupsize 32$")])
+def test_int4_groups_must_split(groupsize, message, tmp_path):
+    """An input split (wo: 64 columns, w2: 160) must keep int4 groups whole on each rank."""
+    path = quantize.quantize_checkpoint(save_and_convert(make_hf_model("llama2"), tmp_path), "int4", groupsize)
+    with pytest.raises(ValueError, match=message):
+        load_model(path, tp=Dist(rank=0, world_size=2, device="cpu"))
 
 
 def test_maybe_init_dist_outside_torchrun(monkeypatch):
