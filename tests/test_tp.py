@@ -1,5 +1,6 @@
 """tp.py: 2-way tensor parallelism under torchrun on the CPU (gloo) against the single-process model."""
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from conftest import make_hf_model, save_and_convert
+from eval import cli as eval_cli
 from generate import cli, generate, load_model
 from model import ModelArgs, Transformer
 import quantize
@@ -122,6 +124,24 @@ def test_generate_cli_under_torchrun(checkpoints, capsys):
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout == single
     assert run.stderr.count("Loaded ") == 1 and run.stderr.count("Average tokens/sec") == 1
+
+
+def test_eval_perplexity_under_torchrun(checkpoints, tmp_path, capsys):
+    """eval.py under torchrun: the single-process perplexity, printed once, the JSON written once."""
+    path = checkpoints["llama_odd_vocab"]
+    save_byte_tokenizer(path.parent)
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    args = ["--checkpoint_path", str(path), "--perplexity", str(text), "--max_seq_length", "64", "--device", "cpu"]
+    eval_cli(args)
+    single = capsys.readouterr().out
+    assert single.startswith("perplexity ")
+    run = torchrun("eval.py", *args, "--output_json", tmp_path / "out.json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("\n") == 1 and run.stdout.startswith("perplexity ")
+    expected = pytest.approx(float(single.split()[1]), rel=1e-5)  # fp32: the printed 4th decimal may differ
+    assert float(run.stdout.split()[1]) == expected
+    assert json.loads((tmp_path / "out.json").read_text())["perplexity"] == expected
 
 
 def test_divisibility_errors():
