@@ -9,6 +9,14 @@ sliced in place and the collectives added as forward hooks, through functional c
 torch.compile(fullgraph=True) captures them.
 
     torchrun --standalone --nproc_per_node=2 generate.py --checkpoint_path checkpoints/X/model.pth
+
+A script opts in with three lines (generate.py, eval.py): `dist = maybe_init_dist(device)` (None
+outside torchrun), `load_model(..., tp=dist)` on `dist.device`, and `with rank0_output():` around
+its main. Every rank then runs the same program on the same inputs: an all-reduce or all-gather
+hands every rank the same bits, and all that runs after it is the same deterministic computation
+on every rank, so the logits are identical and, with the same seed, so are the sampled tokens (no
+broadcast of the token needed). A draft model for speculative decoding can be sharded the same way
+or loaded whole on every rank (tp=None); a whole one computes the same drafts everywhere too.
 """
 import atexit
 import contextlib
@@ -70,9 +78,9 @@ def check_divisible(config, world_size: int):
     for name, size in sizes.items():
         if size % world_size:
             common = math.gcd(*sizes.values())
-            valid = ", ".join(str(n) for n in range(1, common + 1) if common % n == 0)
-            raise ValueError(f"{name} = {size} does not split across {world_size} tensor-parallel ranks; "
-                             f"this model runs with --nproc_per_node in: {valid}")
+            valid = " or ".join(str(n) for n in range(1, common + 1) if common % n == 0)
+            raise ValueError(f"{name} = {size} does not split across {world_size} tensor-parallel ranks; this model "
+                             f"splits across {valid} ranks (--nnodes x --nproc_per_node)")
 
 
 # Where each stored tensor of a linear layer keeps its (output, input) features; None: it has no such
