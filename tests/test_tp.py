@@ -124,6 +124,11 @@ def test_generate_cli_under_torchrun(checkpoints, capsys):
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout == single
     assert run.stderr.count("Loaded ") == 1 and run.stderr.count("Average tokens/sec") == 1
+    # Speculative decoding: the sharded target verifies the drafts of a whole (unsharded) int8 draft
+    # on every rank; greedy, it must give the target's own greedy text.
+    run = torchrun("generate.py", *args, "--draft_checkpoint_path", checkpoints["qwen2_int8"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout == single and run.stderr.count("Speculation: ") == 1
 
 
 def test_eval_perplexity_under_torchrun(checkpoints, tmp_path, capsys):
