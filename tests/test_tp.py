@@ -112,20 +112,29 @@ def assert_ranks_sampled_alike(got):
     assert rank0[0].tolist() != rank0[1].tolist(), "degenerate test: sampling rows should differ"
 
 
-def test_generate_cli_under_torchrun(checkpoints, capsys):
-    """generate.py under torchrun prints the single-process text once; logs come from rank 0 only."""
+def single_process_text(checkpoints, capsys) -> tuple:
     path = checkpoints["qwen2"]
     save_byte_tokenizer(path.parent)
     args = ["--checkpoint_path", str(path), "--prompt", "Hi", "--temperature", "0", "--max_new_tokens", "24",
             "--device", "cpu"]
     cli(args)
-    single = capsys.readouterr().out
+    return args, capsys.readouterr().out
+
+
+def test_generate_cli_under_torchrun(checkpoints, capsys):
+    """generate.py under torchrun prints the single-process text once; logs come from rank 0 only."""
+    args, single = single_process_text(checkpoints, capsys)
     run = torchrun("generate.py", *args)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout == single
     assert run.stderr.count("Loaded ") == 1 and run.stderr.count("Average tokens/sec") == 1
-    # Speculative decoding: the sharded target verifies the drafts of a whole (unsharded) int8 draft
-    # on every rank; greedy, it must give the target's own greedy text.
+
+
+@pytest.mark.slow
+def test_speculative_under_torchrun(checkpoints, capsys):
+    """A sharded target verifies the drafts of a whole (unsharded) int8 draft on every rank;
+    greedy, it must give the target's own greedy text."""
+    args, single = single_process_text(checkpoints, capsys)
     run = torchrun("generate.py", *args, "--draft_checkpoint_path", checkpoints["qwen2_int8"])
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout == single and run.stderr.count("Speculation: ") == 1
