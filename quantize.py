@@ -142,10 +142,10 @@ def int4_kernel(device: torch.device, out_features: int) -> str:
     return "dequant"
 
 
-def pack_int4(packed: Tensor, kernel: str, groupsize: int) -> Tensor:
+def pack_int4(packed: Tensor, kernel: str) -> Tensor:
     """The portable layout [..., N, Kp/2] repacked for `kernel` (stacked experts packed one by one)."""
     if packed.dim() == 3:
-        return torch.stack([pack_int4(p, kernel, groupsize) for p in packed])
+        return torch.stack([pack_int4(p, kernel) for p in packed])
     if kernel == "cpu":
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(packed).int(), 2)
     if kernel == "cuda":
@@ -194,7 +194,7 @@ class Int4Linear(nn.Module):
     def finalize(self, device: torch.device, precision: torch.dtype):
         assert self.kernel is None, "finalize() repacks the weight: call it once"
         self.kernel = int4_kernel(device, self.out_features)
-        self.weight = pack_int4(self.weight, self.kernel, self.groupsize)
+        self.weight = pack_int4(self.weight, self.kernel)
         self.scales_and_zeros = self.scales_and_zeros.to(precision if self.kernel == "dequant" else KERNEL_DTYPE)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -247,7 +247,7 @@ class QuantizedMoEFeedForward(nn.Module):
                 suffix = "_scales"
             else:
                 kernel = int4_kernel(device, getattr(self, name).shape[1])
-                setattr(self, name, pack_int4(getattr(self, name), kernel, self.groupsize))
+                setattr(self, name, pack_int4(getattr(self, name), kernel))
                 suffix = "_scales_and_zeros"
             self.kernels[name] = kernel
             scales = getattr(self, name + suffix)
@@ -366,65 +366,50 @@ def quantize_state_dict(state_dict: dict, config: ModelArgs, mode: str, groupsiz
         model = Transformer(config)
     weights = dict(state_dict)
     if config.tie_embeddings and "output.weight" not in weights:
-        weights["output.weight"] = weights["tok_embeddings.weight"]  # quantized separately: untied
+        weights["output.weight"] = weights["tok_embeddings.weight"]  # quantized apart: untied
     routers = {f"{n}.gate" for n, m in model.named_modules() if isinstance(m, MoEFeedForward)}
     todo = [(n, m) for n, m in model.named_modules()
             if isinstance(m, (nn.Linear, nn.Embedding, MoEFeedForward)) and n not in routers]
-    out, layers = {}, {}
+    out, layers = {}, {name: {"kind": "none", "reason": ROUTER_NOTE} for name in sorted(routers)}
     t0 = time.perf_counter()
     for i, (name, module) in enumerate(todo, 1):
-        if isinstance(module, MoEFeedForward):
-            spec = {"kind": mode}
-            errors = []
-            padded = {}
-            for proj in ("w1", "w3", "w2"):
-                w = weights.pop(f"{name}.{proj}")  # (E, n, k)
-                q, s, err = quantize_stack(w, mode, groupsize)
-                out[f"{name}.{proj}"] = q
-                out[f"{name}.{proj}_scales" if mode == "int8" else f"{name}.{proj}_scales_and_zeros"] = s
-                errors.append(err)
-                padded[proj] = padded_size(w.shape[-1], groupsize) if mode == "int4" else None
-            if mode == "int4":
-                spec.update(groupsize=groupsize, padded_in_features=padded)
-            layers[name] = spec
-            layers[f"{name}.gate"] = {"kind": "none", "reason": ROUTER_NOTE}
-            detail, err = f"{config.num_experts} experts", max(errors)
+        kind = "int8" if isinstance(module, nn.Embedding) else mode
+        scales = "scales" if kind == "int8" else "scales_and_zeros"
+        if isinstance(module, MoEFeedForward):  # stacked experts: "w1" -> "w1_scales"
+            keys = {f"{name}.{p}": f"{name}.{p}_{scales}" for p in ("w1", "w3", "w2")}
         else:
-            w = weights.pop(f"{name}.weight")
-            if isinstance(module, nn.Embedding) or mode == "int8":
-                q, s = quantize_int8(w)
-                out[f"{name}.weight"], out[f"{name}.scales"] = q, s
-                spec, err = {"kind": "int8"}, rel_error(w, dequantize_int8(q, s))
-            else:
-                q, s = quantize_int4(w, groupsize)
-                out[f"{name}.weight"], out[f"{name}.scales_and_zeros"] = q, s
-                kp = padded_size(w.shape[1], groupsize)
-                spec = {"kind": "int4", "groupsize": groupsize, "padded_in_features": kp}
-                err = rel_error(w, dequantize_int4(q, s, groupsize)[:, :w.shape[1]])
-            layers[name] = spec
-            detail = "x".join(map(str, w.shape))
-            if spec.get("padded_in_features", w.shape[1]) != w.shape[1]:
-                detail += f", in_features padded to {spec['padded_in_features']} (not a multiple of {groupsize})"
-        label = spec["kind"] + (f" g{groupsize}" if spec["kind"] == "int4" else "")
-        log(f"[{i:3d}/{len(todo)}] {name:32s} {label:8s} relative error {err:.4f}  ({detail})")
+            keys = {f"{name}.weight": f"{name}.{scales}"}
+        spec, errors, padded, notes = {"kind": kind}, [], {}, []
+        for key, scales_key in keys.items():
+            w = weights.pop(key)
+            out[key], out[scales_key], err = quantize_weight(w, kind, groupsize)
+            errors.append(err)
+            if kind == "int4":
+                proj, k = key.rpartition(".")[2], w.shape[-1]
+                padded[proj] = padded_size(k, groupsize)
+                if padded[proj] != k:
+                    notes.append(f"in_features {k} padded to {padded[proj]}")
+        if kind == "int4":
+            spec.update(groupsize=groupsize, padded_in_features=padded.get("weight", padded))
+        layers[name] = spec
+        label = kind + (f" g{groupsize}" if kind == "int4" else "")
+        detail = "; ".join(["x".join(map(str, w.shape)), *sorted(set(notes))])
+        log(f"[{i:3d}/{len(todo)}] {name:32s} {label:8s} relative error {max(errors):.4f}  ({detail})")
     out.update(weights)  # what is left (norms, biases, routers) is kept as it is
     log(f"quantized {len(todo)} modules in {time.perf_counter() - t0:.1f} s")
     return out, layers
 
 
-def quantize_stack(w: Tensor, mode: str, groupsize: Optional[int]) -> tuple:
-    """Stacked expert weights [E, n, k] -> (q, scales, worst relative error), expert by expert."""
-    qs, ss, errs = [], [], []
-    for we in w:
-        if mode == "int8":
-            q, s = quantize_int8(we)
-            errs.append(rel_error(we, dequantize_int8(q, s)))
-        else:
-            q, s = quantize_int4(we, groupsize)
-            errs.append(rel_error(we, dequantize_int4(q, s, groupsize)[:, :we.shape[1]]))
-        qs.append(q)
-        ss.append(s)
-    return torch.stack(qs), torch.stack(ss), max(errs)
+def quantize_weight(w: Tensor, kind: str, groupsize: Optional[int]) -> tuple:
+    """w [N, K], or stacked experts [E, N, K] -> (weight, scales or scales_and_zeros, relative error)."""
+    if w.dim() == 3:
+        parts = [quantize_weight(we, kind, groupsize) for we in w]
+        return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]), max(p[2] for p in parts)
+    if kind == "int8":
+        q, s = quantize_int8(w)
+        return q, s, rel_error(w, dequantize_int8(q, s))
+    q, s = quantize_int4(w, groupsize)
+    return q, s, rel_error(w, dequantize_int4(q, s, groupsize)[:, :w.shape[1]])
 
 
 def rel_error(w: Tensor, approx: Tensor) -> float:
