@@ -272,14 +272,14 @@ def calibration_tokens(checkpoint_dir: Path, config: ModelArgs, calibration_file
     if (calibration_file is None) == (not calibration_tasks):
         raise ValueError("--mode int4-gptq needs calibration text: pass --calibration_file FILE (a local text "
                          "file) or --calibration_tasks TASK ... (lm_eval tasks), not both")
+    if calibration_file is not None and not Path(calibration_file).is_file():
+        raise FileNotFoundError(f"--calibration_file {calibration_file}: no such file")
     if seq_length > config.block_size:
         raise ValueError(f"--calibration_seq_length {seq_length} exceeds the model's context of "
                          f"{config.block_size} tokens")
     if limit < 1 or seq_length < 2:
         raise ValueError("--calibration_limit must be at least 1 and --calibration_seq_length at least 2")
     if calibration_file is not None:
-        if not Path(calibration_file).is_file():
-            raise FileNotFoundError(f"--calibration_file {calibration_file}: no such file")
         text, source = Path(calibration_file).read_text(), f"file {Path(calibration_file).name}"
     else:
         text, source = task_text(calibration_tasks), f"lm_eval tasks {' '.join(calibration_tasks)}"
@@ -290,13 +290,14 @@ def calibration_tokens(checkpoint_dir: Path, config: ModelArgs, calibration_file
 def quantize_state_dict(state_dict: dict, config: ModelArgs, checkpoint_dir: Path, groupsize: int,
                         calibration_file: Optional[Path] = None, calibration_tasks: Optional[list] = None,
                         calibration_limit: int = DEFAULT_CALIBRATION_LIMIT,
-                        calibration_seq_length: int = DEFAULT_CALIBRATION_SEQ_LENGTH, seed: int = DEFAULT_SEED,
+                        calibration_seq_length: Optional[int] = None, seed: int = DEFAULT_SEED,
                         percdamp: float = DEFAULT_PERCDAMP, blocksize: int = DEFAULT_BLOCKSIZE, act_order: bool = False,
                         device: Optional[str] = None, log=lambda *a: None) -> tuple:
     """quantize.quantize_state_dict's (state dict, per-module metadata) for int4-gptq, plus the GPTQ settings."""
     if not 0 < percdamp < 1 or blocksize < 1:
         raise ValueError(f"--percdamp must lie in (0, 1) and --blocksize be positive; got {percdamp}, {blocksize}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    calibration_seq_length = calibration_seq_length or min(DEFAULT_CALIBRATION_SEQ_LENGTH, config.block_size)
     tokens, source = calibration_tokens(checkpoint_dir, config, calibration_file, calibration_tasks,
                                         calibration_limit, calibration_seq_length, seed)
     log(f"GPTQ on {device.type}: {calibration_limit} calibration sequences of {calibration_seq_length} tokens "

@@ -526,7 +526,8 @@ def parse_args(argv=None):
                    help="lm_eval tasks whose documents to calibrate on instead (e.g. wikitext; downloads their data)")
     g.add_argument("--calibration_limit", type=int, default=None,
                    help=f"calibration sequences, sampled at random offsets (default {GPTQ.DEFAULT_CALIBRATION_LIMIT})")
-    g.add_argument("--calibration_seq_length", type=int, default=None, help=f"tokens per sequence (default {GPTQ.DEFAULT_CALIBRATION_SEQ_LENGTH})")
+    g.add_argument("--calibration_seq_length", type=int, default=None, help=f"tokens per sequence (default {GPTQ.DEFAULT_CALIBRATION_SEQ_LENGTH}, or the "
+                        "model's context if shorter)")
     g.add_argument("--seed", type=int, default=None, help=f"seed of the sequence sampling (default {GPTQ.DEFAULT_SEED})")
     g.add_argument("--percdamp", type=float, default=None,
                    help=f"dampening added to the Hessian's diagonal, as a fraction of its mean (default {GPTQ.DEFAULT_PERCDAMP})")
