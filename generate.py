@@ -7,6 +7,7 @@ local callables passed into `generate`, never rebound globals.
 """
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import sys
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor
 
 from model import ModelArgs, Transformer
+from tp import apply_tp, maybe_init_dist, rank0_output
 
 DEFAULT_CHECKPOINT = Path("checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model.pth")
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,10 +127,12 @@ def trim_at_eos(tokens: list, eos_ids) -> list:
     return tokens
 
 
-def load_model(checkpoint_path, device="cpu", precision: torch.dtype = torch.float32) -> Transformer:
+def load_model(checkpoint_path, device="cpu", precision: torch.dtype = torch.float32, tp=None) -> Transformer:
     """Build the model from config.json beside the checkpoint and load its weights strictly.
 
     Quantized checkpoints carry their own quantization settings, read here (never from the name).
+    tp: the tp.Dist of tp.maybe_init_dist (under torchrun): keep this rank's tensor-parallel shard,
+    cut while the weights are still memory-mapped on the CPU, so only the shard reaches the device.
     """
     checkpoint_path = Path(checkpoint_path)
     if not checkpoint_path.is_file():
@@ -156,6 +160,8 @@ def load_model(checkpoint_path, device="cpu", precision: torch.dtype = torch.flo
     model.load_state_dict(state_dict, assign=True, strict=True)
     if config.tie_embeddings and quantization is None:
         model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
+    if tp is not None:
+        apply_tp(model, tp.rank, tp.world_size)
     model = model.to(device=device, dtype=precision)
     if quantization is not None:
         quantize.finalize_model(model, quantization, device=device, precision=precision)
@@ -268,7 +274,8 @@ def encode_prompt(tokenizer, prompt: str, chat: bool, config: ModelArgs) -> list
 def main(prompt: str, interactive: bool, chat: Optional[bool], num_samples: int, max_new_tokens: int, batch_size: int,
          temperature: float, top_k: Optional[int], top_p: Optional[float], checkpoint_path: Optional[Path],
          compile: bool, compile_prefill: bool, device: Optional[str], precision: Optional[str],
-         profile: Optional[Path], seed: int, ignore_eos: bool):
+         profile: Optional[Path], seed: int, ignore_eos: bool, draft_checkpoint_path: Optional[Path],
+         speculate_k: int, speculate_ngram: Optional[int]):
     from tokenizer import load_tokenizer
 
     if checkpoint_path is None:
@@ -277,11 +284,15 @@ def main(prompt: str, interactive: bool, chat: Optional[bool], num_samples: int,
             raise FileNotFoundError(f"the default model is not prepared ({checkpoint_path} missing); run "
                                     "./scripts/prepare.sh, or pass --checkpoint_path")
     device = check_device(device or default_device())
+    dist = maybe_init_dist(device)  # under torchrun: tensor parallel, one shard (and device) per rank
+    device = dist.device if dist else device
+    if dist and interactive:
+        raise ValueError("--interactive reads stdin in one process; run it without torchrun")
     dtype = PRECISIONS[precision] if precision else default_precision(device)
     torch.manual_seed(seed)
 
     t0 = time.perf_counter()
-    model = load_model(checkpoint_path, device, dtype)
+    model = load_model(checkpoint_path, device, dtype, tp=dist)
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"wrong tokenizer for this checkpoint: it has {tokenizer.vocab_size} tokens, the model "
@@ -294,9 +305,24 @@ def main(prompt: str, interactive: bool, chat: Optional[bool], num_samples: int,
     if chat is None:  # like llama.cpp's CLI: a checkpoint with a chat template is chatted with
         chat = tokenizer.chat_template is not None and not prompt.isdigit()
     prefill_fn, decode_fn = compile_fns(device, compile_prefill) if compile else (prefill, decode_one_token)
+    generate_fn = functools.partial(generate, prefill_fn=prefill_fn, decode_fn=decode_fn)
+    accepted = None  # accepted draft tokens per verify step, when speculating
+    if draft_checkpoint_path is not None or speculate_ngram is not None:
+        import speculative
+        if draft_checkpoint_path is not None and speculate_ngram is not None:
+            raise ValueError("--draft_checkpoint_path and --speculate_ngram are two ways to draft; pass one")
+        draft = None
+        if draft_checkpoint_path is not None:
+            draft = speculative.load_draft(draft_checkpoint_path, model, tokenizer, device, dtype)
+            log(f"Draft {draft_checkpoint_path}: {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters")
+        accepted = []
+        generate_fn = functools.partial(
+            speculative.speculative_generate, draft_model=draft, ngram=speculate_ngram, k=speculate_k,
+            prefill_fn=prefill_fn, draft_fn=decode_fn, accepted=accepted,
+            verify_fn=speculative.compile_verify(device) if compile else speculative.verify)
 
     if interactive:
-        return chat_loop(model, tokenizer, device, max_new_tokens, prefill_fn, decode_fn, sampling)
+        return chat_loop(model, tokenizer, device, max_new_tokens, generate_fn, sampling)
 
     prompt_tokens = encode_prompt(tokenizer, prompt, chat, model.config)
     check_context(model.config, len(prompt_tokens), max_new_tokens)
@@ -313,9 +339,8 @@ def main(prompt: str, interactive: bool, chat: Optional[bool], num_samples: int,
         device_sync(device)
         t0 = time.perf_counter()
         with profiler:
-            out = generate(model, encoded, max_new_tokens, batch_size=batch_size, eos_ids=eos_ids,
-                           callback=streamer if stream else None, prefill_fn=prefill_fn, decode_fn=decode_fn,
-                           **sampling)
+            out = generate_fn(model, encoded, max_new_tokens, batch_size=batch_size, eos_ids=eos_ids,
+                              callback=streamer if stream else None, **sampling)
         device_sync(device)
         elapsed = time.perf_counter() - t0
         if profile and i == num_samples - 1:
@@ -323,6 +348,8 @@ def main(prompt: str, interactive: bool, chat: Optional[bool], num_samples: int,
             log(f"Profile trace written to {profile}")
         if i < 0:
             log(f"Compilation (and first run) took {elapsed:.2f} s")
+            if accepted is not None:
+                accepted.clear()
             continue
         if stream:
             streamer.finish()
@@ -335,12 +362,15 @@ def main(prompt: str, interactive: bool, chat: Optional[bool], num_samples: int,
         rates.append(new * batch_size / elapsed)
         log(f"Time for inference {i + 1}: {elapsed:.2f} s total, {rates[-1]:.2f} tokens/sec")
         log(f"Bandwidth achieved: {nbytes * rates[-1] / batch_size / 1e9:.2f} GB/s")
+        if accepted is not None:
+            log(speculative.acceptance_summary(accepted, speculate_k))
+            accepted.clear()
     log(f"Average tokens/sec: {sum(rates) / len(rates):.2f}")
     if device.startswith("cuda"):
         log(f"Memory used: {torch.cuda.max_memory_reserved() / 1e9:.02f} GB")
 
 
-def chat_loop(model, tokenizer, device, max_new_tokens, prefill_fn, decode_fn, sampling):
+def chat_loop(model, tokenizer, device, max_new_tokens, generate_fn, sampling):
     """A multi-turn chat on stdin/stdout using the checkpoint's chat template."""
     messages = []
     log("Chat mode: type a message, an empty line or Ctrl-D to quit.")
@@ -357,8 +387,8 @@ def chat_loop(model, tokenizer, device, max_new_tokens, prefill_fn, decode_fn, s
         if budget <= 0:
             raise ValueError("the conversation no longer fits the model's context; start a new chat")
         streamer = TextStreamer(tokenizer, tokenizer.eos_ids)
-        generate(model, torch.tensor(tokens, device=device), budget, eos_ids=tokenizer.eos_ids,
-                 callback=streamer, prefill_fn=prefill_fn, decode_fn=decode_fn, **sampling)
+        generate_fn(model, torch.tensor(tokens, device=device), budget, eos_ids=tokenizer.eos_ids,
+                    callback=streamer, **sampling)
         messages.append({"role": "assistant", "content": streamer.finish()})
         sys.stdout.write("\n")
 
@@ -389,13 +419,21 @@ def parse_args(argv=None):
     p.add_argument("--profile", type=Path, default=None, help="write a torch profiler trace of the last sample")
     p.add_argument("--seed", type=int, default=1234, help="random seed for sampling")
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at end-of-sequence (benchmarks)")
+    p.add_argument("--draft_checkpoint_path", type=Path, default=None,
+                   help="speculative decoding: a smaller or quantized model with the same vocabulary drafts "
+                        "tokens that the target verifies (the output is still the target's)")
+    p.add_argument("--speculate_ngram", type=int, default=None, metavar="N",
+                   help="speculative decoding without a draft model: propose the tokens that followed the "
+                        "latest earlier occurrence of the last N (down to 1) tokens (prompt lookup)")
+    p.add_argument("--speculate_k", type=int, default=5, help="draft tokens the target verifies per forward")
     return p.parse_args(argv)
 
 
 def cli(argv=None):
     args = parse_args(argv)
     try:
-        main(**vars(args))
+        with rank0_output():
+            main(**vars(args))
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
