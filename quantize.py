@@ -32,9 +32,9 @@ from torch.nn import functional as F
 from model import ModelArgs, MoEFeedForward, Transformer
 
 FORMAT_VERSION = 1
-# Each mode fills one of the layouts below; issue 8 adds "int4-gptq" (GPTQ.py), which writes the
-# same int4 layout with better-chosen integers, so loading needs nothing new.
-MODES = ("int8", "int4")
+# Each mode fills one of the layouts below; "int4-gptq" (GPTQ.py) writes the same int4 layout with
+# integers chosen against calibration data, so loading needs nothing new.
+MODES = ("int8", "int4", "int4-gptq")
 GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's int4 kernels accept
 DEFAULT_GROUPSIZE = 32
 # The CPU pack-mm kernels are fast only with bf16 activations and scales (5-12x slower in fp32),
@@ -78,16 +78,30 @@ def quantize_int4(w: Tensor, groupsize: int) -> tuple:
     N, K = w.shape
     w = F.pad(w.float(), (0, padded_size(K, groupsize) - K))
     groups = w.reshape(N, -1, groupsize)  # (N, G, g)
+    scales, zeros = int4_group_params(groups)  # (N, G) each
+    q = int4_codes(groups, scales[..., None], zeros[..., None]).reshape(N, -1)  # (N, Kp)
+    return pack_int4_codes(q), torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+
+
+def int4_group_params(groups: Tensor) -> tuple:
+    """groups [..., g] -> bf16 (scales, zeros) [...] of a grid (q - 8) * scale + zero covering each group."""
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
     # The zero sits at q = 8: round it to bf16 first, then widen the step until the grid
     # zero - 8 * scale .. zero + 7 * scale still covers [lo, hi] despite that rounding.
     zeros = (lo + 8 * (hi - lo) / 15).to(torch.bfloat16)
     z = zeros.float()
     scales = bf16_at_least(torch.maximum((z - lo) / 8, (hi - z) / 7).clamp(min=1e-8))
-    q = torch.round((groups - z[..., None]) / scales.float()[..., None]) + 8
-    q = q.clamp(0, 15).to(torch.uint8).reshape(N, -1)  # (N, Kp)
-    packed = q[:, ::2] << 4 | q[:, 1::2]
-    return packed, torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+    return scales, zeros
+
+
+def int4_codes(w: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
+    """The nearest codes 0..15 (uint8) of w on the grid (q - 8) * scales + zeros (broadcast against w)."""
+    return (torch.round((w - zeros.float()) / scales.float()) + 8).clamp(0, 15).to(torch.uint8)
+
+
+def pack_int4_codes(q: Tensor) -> Tensor:
+    """Codes 0..15 [N, Kp] -> uint8 [N, Kp/2], column k in the high nibble of byte k//2 when k is even."""
+    return q[:, ::2] << 4 | q[:, 1::2]
 
 
 def unpack_int4(packed: Tensor) -> Tensor:
@@ -419,8 +433,11 @@ def rel_error(w: Tensor, approx: Tensor) -> float:
 
 
 def quantize_checkpoint(checkpoint_path, mode: str, groupsize: Optional[int] = None,
-                        output_path: Optional[Path] = None, log=lambda *a: None) -> Path:
-    """Quantize model.pth (with config.json beside it) into model_int8.pth / model_int4.gN.pth."""
+                        output_path: Optional[Path] = None, log=lambda *a: None, **gptq_options) -> Path:
+    """Quantize model.pth (with config.json beside it) into model_int8.pth / model_int4.gN.pth.
+
+    int4-gptq takes its calibration and GPTQ settings as keyword arguments (GPTQ.quantize_state_dict's).
+    """
     from scripts.convert_hf_checkpoint import atomic_save
 
     groupsize = check_options(mode, groupsize)
@@ -436,9 +453,16 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: Optional[int] = N
     if "quantization" in state_dict:
         raise ValueError(f"{checkpoint_path} is already quantized ({state_dict['quantization']['mode']}); "
                          "quantize the full-precision model.pth instead")
-    sd, layers = quantize_state_dict(state_dict, config, mode, groupsize, log)
-    metadata = {"format": FORMAT_VERSION, "mode": mode, "bits": 8 if mode == "int8" else 4,
-                "groupsize": groupsize, "layers": layers}
+    metadata = {"format": FORMAT_VERSION, "mode": mode, "bits": 8 if mode == "int8" else 4, "groupsize": groupsize}
+    if mode == "int4-gptq":
+        import GPTQ  # only GPTQ needs it (and the tokenizer)
+        sd, layers, metadata["gptq"] = GPTQ.quantize_state_dict(state_dict, config, checkpoint_path.parent, groupsize,
+                                                                log=log, **gptq_options)
+    else:
+        if gptq_options:
+            raise ValueError(f"--{sorted(gptq_options)[0]} applies to --mode int4-gptq only")
+        sd, layers = quantize_state_dict(state_dict, config, mode, groupsize, log)
+    metadata["layers"] = layers
     check_loadable(config, metadata, sd)
     output_path = Path(output_path) if output_path else output_name(checkpoint_path, mode, groupsize)
     atomic_save({"quantization": metadata, "state_dict": sd}, output_path)
@@ -458,11 +482,13 @@ def check_loadable(config: ModelArgs, metadata: dict, state_dict: dict) -> None:
     assert not bad, f"state dict shapes or dtypes differ: {bad[:5]}"
 
 
-def main(checkpoint_path: Path, mode: str, groupsize: Optional[int]):
+def main(checkpoint_path: Path, mode: str, groupsize: Optional[int], **gptq_options):
     def log(*args):
         print(*args, file=sys.stderr, flush=True)
 
-    output = quantize_checkpoint(checkpoint_path, mode, groupsize, log=log)
+    # Options left unset take GPTQ.py's defaults (and are errors with the other modes).
+    gptq_options = {k: v for k, v in gptq_options.items() if v not in (None, False)}
+    output = quantize_checkpoint(checkpoint_path, mode, groupsize, log=log, **gptq_options)
     log(f"wrote {output} ({output.stat().st_size / 1e6:.1f} MB; {checkpoint_path.stat().st_size / 1e6:.1f} MB before)")
 
 
@@ -476,6 +502,24 @@ def parse_args(argv=None):
     p.add_argument("--groupsize", type=int, choices=GROUP_SIZES, default=None,
                    help=f"int4 only: input channels sharing a scale and zero (default {DEFAULT_GROUPSIZE}); "
                         "smaller is more exact")
+    import GPTQ  # its defaults; imported here because it imports this file
+
+    g = p.add_argument_group("int4-gptq", "GPTQ (GPTQ.py): int4 weights fitted to calibration text")
+    g.add_argument("--calibration_file", type=Path, default=None,
+                   help="a local text file to calibrate on (a few hundred KB of text like what the model will see)")
+    g.add_argument("--calibration_tasks", nargs="+", default=None,
+                   help="lm_eval tasks whose documents to calibrate on instead (e.g. wikitext; downloads their data)")
+    g.add_argument("--calibration_limit", type=int, default=None,
+                   help=f"calibration sequences, sampled at random offsets (default {GPTQ.DEFAULT_CALIBRATION_LIMIT})")
+    g.add_argument("--calibration_seq_length", type=int, default=None, help=f"tokens per sequence (default {GPTQ.DEFAULT_CALIBRATION_SEQ_LENGTH}, or the "
+                        "model's context if shorter)")
+    g.add_argument("--seed", type=int, default=None, help=f"seed of the sequence sampling (default {GPTQ.DEFAULT_SEED})")
+    g.add_argument("--percdamp", type=float, default=None,
+                   help=f"dampening added to the Hessian's diagonal, as a fraction of its mean (default {GPTQ.DEFAULT_PERCDAMP})")
+    g.add_argument("--blocksize", type=int, default=None, help=f"columns per lazy batch update (default {GPTQ.DEFAULT_BLOCKSIZE})")
+    g.add_argument("--act_order", action="store_true",
+                   help="quantize the most active input channels first (often better; same file layout)")
+    g.add_argument("--device", default=None, help="where GPTQ runs (default: cuda if available, else cpu)")
     return p.parse_args(argv)
 
 
