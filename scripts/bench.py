@@ -371,15 +371,42 @@ def skip_reason(case: Case, m: Model, tools, has_quantize: bool) -> Optional[str
     return None
 
 
-def measure(case: Case, m: Model, tools, args) -> dict:
+def input_key(case: Case) -> tuple:
+    """What a case reads beyond the HF weights: a brisk checkpoint or a GGUF at its precision."""
+    return case.model, "llama.cpp" if case.system == "llama.cpp" else "brisk", case.precision
+
+
+def make_inputs(cases: list, by_name: dict, tools, skipped: dict) -> tuple:
+    """Make the quantized checkpoints and GGUFs the cases read, before any timing. A case whose
+    input cannot be made is dropped with the reason. Returns (cases kept, {input_key: path})."""
+    files, kept = {}, []
+    for case in cases:
+        key = input_key(case)
+        if not case.system.startswith("transformers") and key not in files:
+            what = f"{case.model} {key[1]} {case.precision}"
+            if what in skipped:
+                continue
+            m = by_name[case.model]
+            try:
+                files[key] = gguf_file(m, case.precision, tools) if key[1] == "llama.cpp" else \
+                    brisk_checkpoint(m, case.precision)
+            except (RuntimeError, OSError, ValueError) as e:
+                skipped[what] = str(e)
+                log(f"skip {what}: {e}")
+                continue
+        kept.append(case)
+    return kept, files
+
+
+def measure(case: Case, m: Model, files: dict, tools, args) -> dict:
     if case.system == "llama.cpp":
-        return measure_llamacpp(case, gguf_file(m, case.precision, tools), tools, args.threads)
+        return measure_llamacpp(case, files[input_key(case)], tools, args.threads)
     kind = case.system.split("-")[0]
     spec = dict(kind=kind, compile=case.system.endswith("-compile"), threads=args.threads, device=args.device,
                 prompt_tokens=case.prompt_tokens, new_tokens=case.new_tokens,
                 dtype=TORCH_DTYPES.get(case.precision, "float32"))
     if kind == "brisk":
-        spec["checkpoint"] = str(brisk_checkpoint(m, case.precision))
+        spec["checkpoint"] = str(files[input_key(case)])
     else:
         spec["hf_dir"] = str(m.hf_dir)
     return run_worker(spec)
@@ -407,6 +434,7 @@ def run_benchmark(args) -> dict:
     cases, skipped, tools = plan(models, args)
     for what, reason in skipped.items():
         log(f"skip {what}: {reason}")
+    cases, files = make_inputs(cases, by_name, tools, skipped)
     rounds = {c.key: [] for c in cases}
     roofline = []
     for r in range(args.rounds):
@@ -416,11 +444,11 @@ def run_benchmark(args) -> dict:
         # Rotate the order each round so that no case always follows the same neighbour.
         for case in cases[r % len(cases):] + cases[:r % len(cases)] if cases else []:
             try:
-                result = measure(case, by_name[case.model], tools, args)
+                result = measure(case, by_name[case.model], files, tools, args)
                 log(f"[round {r + 1}/{args.rounds}] {case.key}: decode {result['decode_tok_s']:.1f} tok/s, "
                     f"prefill {result['prefill_tok_s']:.1f} tok/s, peak RSS {result['peak_rss_mb']:.0f} MB"
                     + (f", compile {result['compile_s']:.0f} s" if result.get("compile_s") else ""))
-            except (RuntimeError, FileNotFoundError, ValueError, ImportError) as e:
+            except (RuntimeError, ValueError, OSError) as e:  # one failed case does not end the run
                 result = dict(error=str(e))
                 log(f"[round {r + 1}/{args.rounds}] {case.key}: FAILED {e}")
             rounds[case.key].append(result)
