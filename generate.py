@@ -8,6 +8,7 @@ local callables passed into `generate`, never rebound globals.
 import argparse
 import contextlib
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
@@ -229,9 +230,30 @@ class TextStreamer:
         self.tokens.append(t)
         text = self.tokenizer.decode(self.tokens)
         if not text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next piece
-            sys.stdout.write(text[len(self.printed):])
-            sys.stdout.flush()
-            self.printed = text
+            self._write(text)
+
+    def finish(self) -> str:
+        """Print what was held back (a sequence that never completed) and return the whole text."""
+        self._write(self.tokenizer.decode(self.tokens))
+        return self.printed
+
+    def _write(self, text: str):
+        sys.stdout.write(text[len(self.printed):])
+        sys.stdout.flush()
+        self.printed = text
+
+
+def sampling_settings(checkpoint_dir: Path, temperature: Optional[float], top_k: Optional[int],
+                      top_p: Optional[float]) -> dict:
+    """Flags win; then the checkpoint's generation_config.json, as transformers reads it; else greedy."""
+    path = checkpoint_dir / "generation_config.json"
+    gen = json.loads(path.read_text()) if path.is_file() else {}
+    if temperature is None:
+        temperature = gen.get("temperature", 1.0) if gen.get("do_sample") else 0.0
+    if gen.get("do_sample") or temperature > 0:
+        top_k = top_k if top_k is not None else gen.get("top_k")
+        top_p = top_p if top_p is not None else gen.get("top_p")
+    return dict(temperature=temperature, top_k=top_k, top_p=top_p)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool, config: ModelArgs) -> list:
@@ -243,7 +265,7 @@ def encode_prompt(tokenizer, prompt: str, chat: bool, config: ModelArgs) -> list
     return tokenizer.encode(prompt)
 
 
-def main(prompt: str, interactive: bool, chat: bool, num_samples: int, max_new_tokens: int, batch_size: int,
+def main(prompt: str, interactive: bool, chat: Optional[bool], num_samples: int, max_new_tokens: int, batch_size: int,
          temperature: float, top_k: Optional[int], top_p: Optional[float], checkpoint_path: Optional[Path],
          compile: bool, compile_prefill: bool, device: Optional[str], precision: Optional[str],
          profile: Optional[Path], seed: int, ignore_eos: bool):
@@ -261,11 +283,16 @@ def main(prompt: str, interactive: bool, chat: bool, num_samples: int, max_new_t
     t0 = time.perf_counter()
     model = load_model(checkpoint_path, device, dtype)
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"wrong tokenizer for this checkpoint: it has {tokenizer.vocab_size} tokens, the model "
+                         f"{model.config.vocab_size}; re-run the conversion so the tokenizer files match")
     device_sync(device)
     log(f"Loaded {checkpoint_path} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
         f"{dtype}, {device}) in {time.perf_counter() - t0:.2f} s")
     eos_ids = [] if ignore_eos else tokenizer.eos_ids
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    sampling = sampling_settings(Path(checkpoint_path).parent, temperature, top_k, top_p)
+    if chat is None:  # like llama.cpp's CLI: a checkpoint with a chat template is chatted with
+        chat = tokenizer.chat_template is not None and not prompt.isdigit()
     prefill_fn, decode_fn = compile_fns(device, compile_prefill) if compile else (prefill, decode_one_token)
 
     if interactive:
@@ -298,6 +325,7 @@ def main(prompt: str, interactive: bool, chat: bool, num_samples: int, max_new_t
             log(f"Compilation (and first run) took {elapsed:.2f} s")
             continue
         if stream:
+            streamer.finish()
             sys.stdout.write("\n")
         else:
             for row in out.tolist():
@@ -331,21 +359,25 @@ def chat_loop(model, tokenizer, device, max_new_tokens, prefill_fn, decode_fn, s
         streamer = TextStreamer(tokenizer, tokenizer.eos_ids)
         generate(model, torch.tensor(tokens, device=device), budget, eos_ids=tokenizer.eos_ids,
                  callback=streamer, prefill_fn=prefill_fn, decode_fn=decode_fn, **sampling)
+        messages.append({"role": "assistant", "content": streamer.finish()})
         sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": streamer.printed})
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Generate text with a brisk checkpoint.")
     p.add_argument("--prompt", default="Hello, my name is",
                    help="input text; an integer N means a synthetic prompt of N tokens (benchmarks)")
-    p.add_argument("--chat", action="store_true", help="wrap --prompt in the checkpoint's chat template")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap --prompt in the checkpoint's chat template (default: when it has one; "
+                        "--no-chat continues the raw text)")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin (uses the chat template)")
     p.add_argument("--num_samples", type=int, default=1, help="how many times to generate")
     p.add_argument("--max_new_tokens", type=int, default=200, help="the most tokens to generate per sample")
     p.add_argument("--batch_size", type=int, default=1, help="rows generated in parallel from the same prompt")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 means greedy argmax")
-    p.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature; 0 means greedy argmax (default: the checkpoint's "
+                        "generation_config.json when it samples, else greedy, as transformers does)")
+    p.add_argument("--top_k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top_p", type=float, default=None, help="nucleus sampling: the smallest set with this mass")
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help=f"model.pth of a converted checkpoint (default: {DEFAULT_CHECKPOINT})")

@@ -141,7 +141,7 @@ class Transformer(nn.Module):
         if self.max_seq_length >= max_seq_length and self.max_batch_size >= max_batch_size:
             return
         c = self.config
-        weight = self.tok_embeddings.weight
+        weight = self.norm.weight  # the model dtype, also when quantize.py made the embedding int8
         dtype = dtype or weight.dtype
         device = device or weight.device
         self.max_seq_length, self.max_batch_size = max_seq_length, max_batch_size
@@ -230,24 +230,42 @@ class MoEFeedForward(nn.Module):
         self.w3 = nn.Parameter(torch.empty(E, I, D))
         self.w2 = nn.Parameter(torch.empty(E, D, I))
 
+    def route(self, x: Tensor):
+        """x: (N, D) -> weights, experts (N, k): softmax over all experts, top-k, renormalised (Mixtral)."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)  # (N, E)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+        return (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype), experts
+
+    def expert(self, x: Tensor, e: int) -> Tensor:
+        return F.linear(F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e])
+
+    def expert_weights(self, experts: Tensor):
+        """w1, w3 (N, k, I, D), w2 (N, k, D, I) of the selected experts; compiled, the gather fuses into the matmuls."""
+        return self.w1[experts], self.w3[experts], self.w2[experts]
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, D)
-        probs = F.softmax(self.gate(x).float(), dim=-1)  # (N, E)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
-        if x.shape[0] * self.top_k <= self.w1.shape[0]:
-            # Decode: gather only the selected experts' weights (the bandwidth-bound case).
-            w1, w3, w2 = self.w1[experts], self.w3[experts], self.w2[experts]  # (N, k, I, D), (N, k, D, I)
-            h = F.silu(torch.einsum("nd,nkid->nki", x, w1)) * torch.einsum("nd,nkid->nki", x, w3)
-            y = torch.einsum("nki,nkdi->nkd", h, w2)
+        weights, experts = self.route(x)
+        E = self.w1.shape[0]
+        if not torch.compiler.is_compiling():
+            # Eager: each expert runs on the tokens routed to it (data-dependent shapes, no copies).
+            out = torch.zeros_like(x)
+            for e in range(E):
+                token, slot = torch.where(experts == e)
+                out.index_add_(0, token, weights[token, slot, None] * self.expert(x[token], e))
+            return out.reshape(shape)
+        if x.shape[0] * self.top_k <= E:
+            # Compiled decode: only the selected experts' weights are read.
+            w1, w3, w2 = self.expert_weights(experts)
+            h = F.silu(torch.einsum("nd,nkid->nki", x, w1)) * torch.einsum("nd,nkid->nki", x, w3)  # (N, k, I)
+            y = torch.einsum("nki,nkdi->nkd", h, w2)  # (N, k, D)
             return torch.einsum("nkd,nk->nd", y, weights).reshape(shape)
-        # Prefill: every expert reads its weights once for all tokens; unselected tokens weigh 0.
-        dense = torch.zeros_like(probs, dtype=x.dtype).scatter(1, experts, weights)  # (N, E)
+        # Compiled, many tokens: static shapes, so every expert runs on all tokens; unselected ones weigh 0.
+        dense = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device).scatter(1, experts, weights)  # (N, E)
         out = torch.zeros_like(x)
-        for e in range(self.w1.shape[0]):
-            h = F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e])
-            out += dense[:, e, None] * F.linear(h, self.w2[e])
+        for e in range(E):
+            out += dense[:, e, None] * self.expert(x, e)
         return out.reshape(shape)
 
 

@@ -44,6 +44,10 @@ WEIGHT_MAP = {
     "model.layers.{}.block_sparse_moe.experts.{}.w1.weight": "layers.{}.feed_forward.w1.{}",
     "model.layers.{}.block_sparse_moe.experts.{}.w2.weight": "layers.{}.feed_forward.w2.{}",
     "model.layers.{}.block_sparse_moe.experts.{}.w3.weight": "layers.{}.feed_forward.w3.{}",
+    # Mixtral, transformers 5 in-memory layout: experts stacked, gate and up fused as [E, 2I, D].
+    "model.layers.{}.mlp.gate.weight": "layers.{}.feed_forward.gate.weight",
+    "model.layers.{}.mlp.experts.gate_up_proj": "layers.{}.feed_forward.w13",
+    "model.layers.{}.mlp.experts.down_proj": "layers.{}.feed_forward.w2",
 }
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
@@ -127,8 +131,11 @@ def convert_state_dict(hf_state: dict, config: ModelArgs) -> dict:
                 state[p + f"wqkv.{kind}"] = torch.cat(parts)
             elif any(t is not None for t in parts):
                 raise ValueError(f"layer {i}: q/k/v {kind}s are incomplete in the HF checkpoint")
-        if config.num_experts:
-            f = f"layers.{i}.feed_forward."
+        f = f"layers.{i}.feed_forward."
+        if config.num_experts and f + "w13" in state:
+            w1, w3 = state.pop(f + "w13").chunk(2, dim=1)
+            state[f + "w1"], state[f + "w3"] = w1.contiguous(), w3.contiguous()
+        elif config.num_experts:
             for w in ("w1", "w2", "w3"):
                 experts = [state.pop(f + f"{w}.{e}", None) for e in range(config.num_experts)]
                 if any(t is None for t in experts):

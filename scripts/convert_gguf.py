@@ -1,0 +1,380 @@
+# Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
+"""Convert a LLaMA-architecture GGUF file (llama.cpp's format) into brisk's checkpoint dir.
+
+Writes model.pth, config.json and the tokenizer (tokenizer.json, tokenizer_config.json,
+generation_config.json) rebuilt from the GGUF metadata. Quantized tensors are dequantized to
+float32; F32/F16/BF16 tensors keep their dtype (--dtype overrides both). llama.cpp stores q/k
+rows interleaved for its RoPE kernel; they are put back in the Hugging Face half-split layout.
+"""
+import argparse
+import json
+import math
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+if __name__ == "__main__":  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from model import ModelArgs, rope_frequencies  # noqa: E402
+from scripts.convert_hf_checkpoint import atomic_save, check_against_model  # noqa: E402
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# GGUF name (layer index as {}) -> brisk name. q/k/v are fused into wqkv afterwards.
+WEIGHT_MAP = {
+    "token_embd.weight": "tok_embeddings.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "output.weight",
+    "blk.{}.attn_q.weight": "layers.{}.attention.wq.weight",
+    "blk.{}.attn_k.weight": "layers.{}.attention.wk.weight",
+    "blk.{}.attn_v.weight": "layers.{}.attention.wv.weight",
+    "blk.{}.attn_output.weight": "layers.{}.attention.wo.weight",
+    "blk.{}.attn_norm.weight": "layers.{}.attention_norm.weight",
+    "blk.{}.ffn_norm.weight": "layers.{}.ffn_norm.weight",
+    "blk.{}.ffn_gate.weight": "layers.{}.feed_forward.w1.weight",
+    "blk.{}.ffn_up.weight": "layers.{}.feed_forward.w3.weight",
+    "blk.{}.ffn_down.weight": "layers.{}.feed_forward.w2.weight",
+    # Mixtral (architecture "llama" with llama.expert_count): experts stacked as [E, ...] like ours.
+    "blk.{}.ffn_gate_inp.weight": "layers.{}.feed_forward.gate.weight",
+    "blk.{}.ffn_gate_exps.weight": "layers.{}.feed_forward.w1",
+    "blk.{}.ffn_up_exps.weight": "layers.{}.feed_forward.w3",
+    "blk.{}.ffn_down_exps.weight": "layers.{}.feed_forward.w2",
+}
+ROPE_FREQS = "rope_freqs.weight"  # LLaMA 3.1+ stores its rope scaling as per-frequency divisors
+
+# llama.cpp token types (tokenizer.ggml.token_type).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Byte-level BPE pre-tokenizers by the name llama.cpp gives them (tokenizer.ggml.pre), with the
+# split regexes of llama.cpp's llama-vocab.cpp, which are those of each model's own tokenizer.json.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# name -> (split regex, digits one by one first, whole words in the vocab skip the merges)
+PRE_TOKENIZERS = {
+    "gpt2": (_GPT2, False, False),
+    "default": (_GPT2, False, False),  # files that name none: GPT-2's, as transformers assumes
+    "smollm": (_GPT2, True, False),
+    "starcoder": (_GPT2, True, False),
+    "refact": (_GPT2, True, False),
+    "codeshell": (_GPT2, True, False),
+    "llama-bpe": (_LLAMA3, False, True),
+    "llama3": (_LLAMA3, False, True),
+    "smaug-bpe": (_LLAMA3, False, False),
+    "dbrx": (_LLAMA3, False, False),
+    "qwen2": (_QWEN2, False, False),
+    "deepseek-r1-qwen": (_QWEN2, False, False),
+    "tekken": (_TEKKEN, False, False),
+}
+
+
+def field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    value = f.contents()
+    if isinstance(value, float):  # stored as float32: take the shortest decimal for it (1e-05, not 9.99e-06)
+        value = float(str(np.float32(value)))
+    return value
+
+
+def open_gguf(path: Path):
+    import gguf
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} not found")
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path} is not a readable GGUF file ({e})") from e
+
+
+def config_from_gguf(reader) -> ModelArgs:
+    arch = field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+    def get(key, default=None):
+        value = field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}; the file is incomplete")
+        return value
+
+    tensors = {t.name: t for t in reader.tensors}
+    dim, n_head = get("embedding_length"), get("attention.head_count")
+    n_local_heads = get("attention.head_count_kv", n_head)
+    if not isinstance(n_local_heads, int):
+        raise ValueError(f"per-layer {arch}.attention.head_count_kv is not supported (one value for all layers)")
+    if "token_embd.weight" not in tensors:
+        raise ValueError("GGUF has no token_embd.weight tensor")
+    head_dim = get("attention.key_length", get("rope.dimension_count", dim // n_head))
+    rope_base = float(get("rope.freq_base", 10000.0))
+    return ModelArgs(
+        block_size=get("context_length"),
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ggml shapes are [cols, rows]
+        n_layer=get("block_count"),
+        n_head=n_head,
+        dim=dim,
+        intermediate_size=get("feed_forward_length"),
+        n_local_heads=n_local_heads,
+        head_dim=head_dim,
+        rope_base=rope_base,
+        rope_scaling=rope_scaling_from_gguf(reader, arch, tensors, head_dim, rope_base),
+        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in tensors,
+        num_experts=get("expert_count", 0),
+        num_activated_experts=get("expert_used_count", 2),
+    )
+
+
+def rope_scaling_from_gguf(reader, arch, tensors, head_dim, rope_base):
+    kind = field(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(field(reader, f"{arch}.rope.scaling.factor"))}
+    if kind != "none":
+        raise ValueError(f"unsupported GGUF rope scaling {kind!r}; supported: linear, LLaMA 3 rope_freqs")
+    if ROPE_FREQS not in tensors:
+        return None
+    divisors = torch.from_numpy(dequantize(tensors[ROPE_FREQS]).copy()).double()
+    return llama3_scaling(divisors, head_dim, rope_base)
+
+
+def llama3_scaling(divisors: torch.Tensor, head_dim: int, rope_base: float) -> dict:
+    """LLaMA 3.1 rope scaling from the per-frequency divisors llama.cpp stores instead of its parameters.
+
+    Between the two cut-offs a frequency is divided by 1 / ((1 - s) / factor + s), where s is linear
+    in 1 / wavelength; only that line matters, so low_freq_factor is fixed to 1 (as in every LLaMA 3.x)
+    and the line gives the other two. The result is checked against the file either way.
+    """
+    inv_freq = rope_frequencies(head_dim, rope_base, None)
+    factor = float(divisors.max())
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}  # LLaMA 3.1's, kept when the line is underdetermined
+    s = (1 / divisors - 1 / factor) / (1 - 1 / factor) if factor > 1 else torch.zeros_like(divisors)
+    inner = (s > 1e-4) & (s < 1 - 1e-4)
+    if inner.sum() >= 2:
+        x = inv_freq[inner] / (2 * math.pi)  # 1 / wavelength
+        a, b = torch.linalg.lstsq(torch.stack([x, torch.ones_like(x)], dim=1), s[inner, None]).solution.flatten()
+        high = 1 - 1 / float(b)
+        scaling.update(high_freq_factor=round(high, 6), original_max_position_embeddings=round(float(a) * (high - 1)))
+    expected = inv_freq / rope_frequencies(head_dim, rope_base, scaling)
+    if expected.shape != divisors.shape or not torch.allclose(expected, divisors, rtol=1e-4):
+        raise ValueError(f"unsupported {ROPE_FREQS} tensor: not the LLaMA 3.1 rope scaling rule")
+    return scaling
+
+
+def dequantize(tensor):
+    """A GGUF tensor as a numpy array in PyTorch's [rows, cols] order (float32 when quantized)."""
+    import gguf
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    kind = tensor.tensor_type
+    if kind == gguf.GGMLQuantizationType.F16:
+        return tensor.data.view(np.float16).reshape(shape)
+    if kind == gguf.GGMLQuantizationType.BF16:
+        return tensor.data.view(np.uint16).reshape(shape)  # the caller views these bits as bfloat16
+    try:
+        return gguf.quants.dequantize(tensor.data, kind).reshape(shape)
+    except NotImplementedError:
+        raise ValueError(f"unsupported GGUF tensor type {kind.name} ({tensor.name}): the gguf package cannot "
+                         "dequantize it; use a file quantized as e.g. Q8_0, Q4_K or F16") from None
+
+
+def to_torch(tensor, dtype) -> torch.Tensor:
+    import gguf
+    array = dequantize(tensor)
+    t = torch.from_numpy(array.copy())  # copy: the reader's arrays are read-only views of the file
+    if tensor.tensor_type == gguf.GGMLQuantizationType.BF16:
+        t = t.view(torch.bfloat16)
+    return t if dtype is None else t.to(dtype)
+
+
+def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # llama.cpp's converter interleaves each head's two rotary halves (rows i, i + hd/2 -> 2i, 2i+1);
+    # this is its inverse, giving the rotate_half layout of HF checkpoints that model.py uses.
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def rename(gguf_name: str) -> str:
+    numbers = re.findall(r"\.(\d+)\.", gguf_name)
+    pattern = re.sub(r"\.\d+\.", ".{}.", gguf_name)
+    if pattern not in WEIGHT_MAP:
+        raise ValueError(f"unmapped GGUF tensor {gguf_name!r}: this architecture variant is not supported")
+    return WEIGHT_MAP[pattern].format(*numbers)
+
+
+def convert_tensors(reader, config: ModelArgs, dtype=None) -> dict:
+    groups = {}  # -1: embeddings, final norm, output; then one group per layer
+    for t in reader.tensors:
+        if t.name != ROPE_FREQS:
+            groups.setdefault(int(t.name.split(".")[1]) if t.name.startswith("blk.") else -1, []).append(t)
+    state = {}
+    for k, group in enumerate(sorted(groups), 1):
+        tensors = groups[group]
+        kinds = Counter(t.tensor_type.name for t in tensors)
+        label = f"layer {group}" if group >= 0 else "embeddings, norm, output"
+        print(f"[{k}/{len(groups)}] {label}: " + ", ".join(f"{n} {name}" for name, n in kinds.items()),
+              file=sys.stderr, flush=True)
+        for t in tensors:
+            state[rename(t.name)] = to_torch(t, dtype)
+    for i in range(config.n_layer):
+        p = f"layers.{i}.attention."
+        if not all(p + f"w{x}.weight" in state for x in "qkv"):
+            raise ValueError(f"layer {i}: q/k/v weights are incomplete in the GGUF file")
+        q = unpermute(state.pop(p + "wq.weight"), config.n_head)
+        k = unpermute(state.pop(p + "wk.weight"), config.n_local_heads)
+        state[p + "wqkv.weight"] = torch.cat([q, k, state.pop(p + "wv.weight")])
+    return state
+
+
+def convert_gguf(gguf_path: Path, output_dir: Path, dtype: str = None) -> Path:
+    reader = open_gguf(gguf_path)
+    config = config_from_gguf(reader)
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    state = convert_tensors(reader, config, DTYPES.get(dtype))
+    check_against_model(state, config)
+    tokenizer_files = tokenizer_from_gguf(reader)
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    out = output_dir / "model.pth"
+    print(f"writing {out}", file=sys.stderr, flush=True)
+    atomic_save(state, out)
+    config.to_json(output_dir / "config.json")
+    (output_dir / "chat_template.jinja").unlink(missing_ok=True)  # a stale one would override ours
+    for name, content in tokenizer_files.items():
+        (output_dir / name).write_text(content)
+    print(f"done: {out} ({sum(t.numel() for t in state.values()) / 1e6:.1f}M parameters)", file=sys.stderr)
+    return out
+
+
+# --- tokenizer -----------------------------------------------------------------------------------
+
+def tokenizer_from_gguf(reader) -> dict:
+    """file name -> text of tokenizer.json, tokenizer_config.json and generation_config.json."""
+    kind = field(reader, "tokenizer.ggml.model")
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    if kind is None or tokens is None:
+        raise ValueError("GGUF has no tokenizer (tokenizer.ggml.model / tokens); brisk needs one to generate text")
+    types = field(reader, "tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    if kind == "gpt2":
+        tok = byte_level_bpe(tokens, field(reader, "tokenizer.ggml.merges") or [],
+                             field(reader, "tokenizer.ggml.pre", "default"))
+        add_bos = field(reader, "tokenizer.ggml.add_bos_token", False)
+    elif kind == "llama":
+        tok = sentencepiece_bpe(tokens, field(reader, "tokenizer.ggml.scores"), types,
+                                field(reader, "tokenizer.ggml.unknown_token_id"),
+                                field(reader, "tokenizer.ggml.add_space_prefix", True))
+        add_bos = field(reader, "tokenizer.ggml.add_bos_token", True)  # llama.cpp's default for these
+    else:
+        raise ValueError(f"unsupported GGUF tokenizer {kind!r}; supported: gpt2 (byte-level BPE), "
+                         "llama (SentencePiece)")
+    add_special_tokens(tok, tokens, types)
+
+    def token(key):
+        i = field(reader, f"tokenizer.ggml.{key}_token_id")
+        return tokens[i] if i is not None and i < len(tokens) else None
+
+    bos, eos = token("bos"), token("eos")
+    if add_bos and bos is not None:  # as in the hub's tokenizer.json, so transformers adds it too
+        from tokenizers import processors
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+              "unk_token": token("unknown"), "pad_token": token("padding"), "add_bos_token": bool(add_bos),
+              "clean_up_tokenization_spaces": False}
+    template = field(reader, "tokenizer.chat_template")
+    if template:
+        config["chat_template"] = template
+    # Chat models end a turn with EOT (LLaMA 3's <|eot_id|>) or EOM; generation stops at any of them.
+    eos_ids = [field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+    eos_ids = list(dict.fromkeys(i for i in eos_ids if i is not None))
+    generation = {"bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+                  "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids}
+    return {"tokenizer.json": tok.to_str(pretty=False),
+            "tokenizer_config.json": json.dumps({k: v for k, v in config.items() if v is not None}, indent=2) + "\n",
+            "generation_config.json": json.dumps(generation, indent=2) + "\n"}
+
+
+def byte_level_bpe(tokens: list, merges: list, pre: str):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre); "
+                         f"supported: {', '.join(sorted(PRE_TOKENIZERS))}")
+    split, digits, ignore_merges = PRE_TOKENIZERS[pre]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges],
+                               ignore_merges=ignore_merges, fuse_unk=False, byte_fallback=False))
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    steps += [pre_tokenizers.Split(Regex(split), behavior="isolated"),
+              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def sentencepiece_bpe(tokens: list, scores: list, types: list, unk_id, add_space_prefix: bool):
+    """SentencePiece BPE as a tokenizers BPE: merges ranked by the score of the piece they make."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    if scores is None:
+        raise ValueError("GGUF SentencePiece vocabulary has no tokenizer.ggml.scores")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    mergeable = {t: s for t, s, kind in zip(tokens, scores, types) if kind == NORMAL}
+    merges = []
+    for piece, score in mergeable.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in mergeable and right in mergeable:
+                merges.append((-score, vocab[piece], left, right))
+    merges.sort()
+    unk = tokens[unk_id] if unk_id is not None else None
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in merges], unk_token=unk,
+                               fuse_unk=True, byte_fallback=True))
+    # Like sentencepiece and llama.cpp, prefix every run of text with a space, even one that starts
+    # with a space (tokenizers' Metaspace would not) and one after a special token (llama.cpp does).
+    space = [normalizers.Prepend("\u2581")] if add_space_prefix else []
+    tok.normalizer = normalizers.Sequence(space + [normalizers.Replace(" ", "\u2581")])
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1))
+    tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+def add_special_tokens(tok, tokens: list, types: list):
+    # Control tokens (<|im_end|>, <s>) are matched whole and skipped when decoding; user-defined
+    # ones (<think>) are matched whole but decoded as text. Both keep their GGUF ids.
+    from tokenizers import AddedToken
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, types) if kind in (CONTROL, UNKNOWN)])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, kind in zip(tokens, types) if kind == USER_DEFINED])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gguf", type=Path, required=True, help="the .gguf file to convert")
+    p.add_argument("--output_dir", type=Path, required=True, help="checkpoint folder to write")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="store every weight in this dtype (default: float32 for quantized tensors, "
+                        "the file's own dtype for F32/F16/BF16 ones)")
+    args = p.parse_args()
+    try:
+        convert_gguf(args.gguf, args.output_dir, args.dtype)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
