@@ -171,7 +171,7 @@ def measure_llamacpp(case: "Case", gguf: Path, tools: dict, threads: int) -> dic
     else:
         (pp,), rss1 = bench("-p", str(T), "-n", "0")
         (tg,), rss2 = bench("-p", "0", "-n", str(N), "-d", str(T))
-        rss = max(rss1, rss2)
+        rss = max(rss1 or 0, rss2 or 0) or None
     return dict(decode_tok_s=tg["avg_ts"], prefill_tok_s=pp["avg_ts"], ttft_s=T / pp["avg_ts"], peak_rss_mb=rss,
                 bytes_per_token=pp["model_size"], build=f"{pp['build_number']} ({pp['build_commit']})")
 
@@ -217,7 +217,7 @@ def worker_brisk(spec: dict) -> dict:
     import torch
     import generate
     device = spec["device"]
-    precision = getattr(torch, spec["dtype"])
+    precision = getattr(torch, spec["dtype"]) if spec["dtype"] else generate.default_precision(device)
     model = generate.load_model(spec["checkpoint"], device, precision)
     T, N = spec["prompt_tokens"], spec["new_tokens"]
     prompt = torch.tensor(synthetic_prompt(T, model.config.vocab_size), device=device)
@@ -232,7 +232,7 @@ def worker_brisk(spec: dict) -> dict:
     timer.start()
     out = generate.generate(model, prompt, N, callback=timer, **fns)
     return dict(timer.summary(T), bytes_per_token=generate.model_bytes(model), tokens=out[0, T:T + 32].tolist(),
-                compile_s=warmup_s if spec["compile"] else None)
+                compile_s=warmup_s if spec["compile"] else None, activations=str(precision).removeprefix("torch."))
 
 
 def worker_transformers(spec: dict) -> dict:
@@ -289,16 +289,29 @@ def worker_main(spec: dict):
 
 
 def run_child(cmd) -> tuple:
-    """Run cmd to completion: (exit code, stdout, stderr, peak RSS in MB). wait4 gives this child's
-    own peak RSS (POSIX only; ru_maxrss is in KiB on Linux, bytes on macOS)."""
+    """Run cmd to completion: (exit code, stdout, stderr, peak RSS in MB or None).
+
+    The peak is the child's VmHWM, polled from /proc (Linux): rusage's ru_maxrss would also count
+    the benchmark's own memory, which Linux carries across fork and exec."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         p = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT)
-        _, status, usage = os.wait4(p.pid, 0)
-        p.returncode = os.waitstatus_to_exitcode(status)
+        peak = None
+        while p.poll() is None:
+            peak = max(peak or 0, vm_hwm_mb(p.pid) or 0) or None
+            time.sleep(0.05)
         out.seek(0)
         err.seek(0)
-        rss = usage.ru_maxrss / 1e6 if sys.platform == "darwin" else usage.ru_maxrss * 1024 / 1e6
-        return p.returncode, out.read(), err.read(), rss
+        return p.returncode, out.read(), err.read(), peak
+
+
+def vm_hwm_mb(pid: int) -> Optional[float]:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e6
+    except OSError:  # not Linux, or the process just ended
+        pass
+    return None
 
 
 def run_worker(spec: dict) -> dict:
@@ -404,7 +417,7 @@ def measure(case: Case, m: Model, files: dict, tools, args) -> dict:
     kind = case.system.split("-")[0]
     spec = dict(kind=kind, compile=case.system.endswith("-compile"), threads=args.threads, device=args.device,
                 prompt_tokens=case.prompt_tokens, new_tokens=case.new_tokens,
-                dtype=TORCH_DTYPES.get(case.precision, "float32"))
+                dtype=TORCH_DTYPES.get(case.precision))  # None: int8/int4 run in generate.py's default
     if kind == "brisk":
         spec["checkpoint"] = str(files[input_key(case)])
     else:
@@ -422,7 +435,7 @@ def summarize(case: Case, rounds: list, bandwidth: float) -> dict:
     nbytes = ok[0]["bytes_per_token"]
     compile_s = [r["compile_s"] for r in ok if r.get("compile_s") is not None]
     return dict(out, decode_tok_s=decode, prefill_tok_s=max(r["prefill_tok_s"] for r in ok),
-                ttft_s=min(r["ttft_s"] for r in ok), peak_rss_mb=max(r["peak_rss_mb"] for r in ok),
+                ttft_s=min(r["ttft_s"] for r in ok), peak_rss_mb=max(r["peak_rss_mb"] or 0 for r in ok) or None,
                 bytes_per_token=nbytes, bandwidth_gbps=nbytes * decode / 1e9,
                 roofline_fraction=nbytes * decode / 1e9 / bandwidth,
                 compile_s=min(compile_s) if compile_s else None, compile_s_max=max(compile_s) if compile_s else None)
@@ -446,7 +459,7 @@ def run_benchmark(args) -> dict:
             try:
                 result = measure(case, by_name[case.model], files, tools, args)
                 log(f"[round {r + 1}/{args.rounds}] {case.key}: decode {result['decode_tok_s']:.1f} tok/s, "
-                    f"prefill {result['prefill_tok_s']:.1f} tok/s, peak RSS {result['peak_rss_mb']:.0f} MB"
+                    f"prefill {result['prefill_tok_s']:.1f} tok/s, peak RSS {result['peak_rss_mb'] or 0:.0f} MB"
                     + (f", compile {result['compile_s']:.0f} s" if result.get("compile_s") else ""))
             except (RuntimeError, ValueError, OSError) as e:  # one failed case does not end the run
                 result = dict(error=str(e))
@@ -509,7 +522,7 @@ def format_table(report: dict) -> str:
                     ratios.append(f"{r['decode_tok_s'] / p['decode_tok_s']:.2f}x {peer}")
         compile_s = f"{r['compile_s']:.0f} s" if r["compile_s"] is not None else ""
         lines.append(f"{head} {r['decode_tok_s']:>7.1f} {r['prefill_tok_s']:>8.1f} {r['ttft_s']:>6.2f} "
-                     f"{r['peak_rss_mb']:>6.0f} {r['bandwidth_gbps']:>5.1f} {r['roofline_fraction']:>5.0%} "
+                     f"{r['peak_rss_mb'] or 0:>6.0f} {r['bandwidth_gbps']:>5.1f} {r['roofline_fraction']:>5.0%} "
                      f"{compile_s:>7}  {', '.join(ratios)}")
     lines += agreement_lines(results)
     return "\n".join(lines)
@@ -558,11 +571,12 @@ def plot(report: dict, path: Path):
             if nbytes:
                 ax.hlines(report["roofline_gbps"] * 1e9 / nbytes, x - 0.45, x + 0.45, colors="black",
                           linestyles="dashed", label="memory roofline" if x == 0 else None)
-        ax.set_xticks(range(len(precisions)), precisions)
+        ax.set_xticks(range(len(precisions)), [f"{p}\n(llama.cpp {GGUF_TYPES[p]})" if "llama.cpp" in systems else p
+                                               for p in precisions])
         ax.set_title(f"{name}: batch 1 decode")
         ax.set_ylabel("tokens/s")
         ax.grid(axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize="small")
+    axes[0][0].legend(fontsize="small", loc="upper left")
     m = report["machine"]
     fig.suptitle(f"{m['cpu']}, {m['threads']} threads, torch {m['torch']}", fontsize="small")
     fig.tight_layout()
