@@ -571,7 +571,7 @@ def plot(report: dict, path: Path):
             if nbytes:
                 ax.hlines(report["roofline_gbps"] * 1e9 / nbytes, x - 0.45, x + 0.45, colors="black",
                           linestyles="dashed", label="memory roofline" if x == 0 else None)
-        ax.set_xticks(range(len(precisions)), [f"{p}\n(llama.cpp {GGUF_TYPES[p]})" if "llama.cpp" in systems else p
+        ax.set_xticks(range(len(precisions)), [f"{p} / {GGUF_TYPES[p]}" if "llama.cpp" in systems else p
                                                for p in precisions])
         ax.set_title(f"{name}: batch 1 decode")
         ax.set_ylabel("tokens/s")
