@@ -19,7 +19,7 @@ import generate  # noqa: E402
 
 
 def profile_decode(checkpoint_path: Path, precision: str, compile: bool, prompt_tokens: int, new_tokens: int,
-                   device: str, top: int, trace: Path = None) -> str:
+                   device: str, top: int, shapes: bool = False, trace: Path = None) -> str:
     model = generate.load_model(checkpoint_path, device, generate.PRECISIONS[precision])
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, min(model.config.vocab_size, 1000), (prompt_tokens,), generator=g).to(device)
@@ -31,7 +31,7 @@ def profile_decode(checkpoint_path: Path, precision: str, compile: bool, prompt_
     # Profile decode steps only: prefill once outside the profiler, then the steps one by one.
     with torch.no_grad():
         token = prefill_fn(model, prompt[None], torch.arange(prompt_tokens, device=device), temperature=0.0)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=shapes) as prof:
             t0 = time.perf_counter()
             for i in range(new_tokens):
                 pos = torch.tensor([prompt_tokens + i], device=device, dtype=torch.int)
@@ -40,14 +40,16 @@ def profile_decode(checkpoint_path: Path, precision: str, compile: bool, prompt_
             step_ms = (time.perf_counter() - t0) * 1e3 / new_tokens
     if trace:
         prof.export_chrome_trace(str(trace))
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    events = sorted(prof.key_averages(group_by_input_shape=shapes), key=lambda e: e.self_cpu_time_total, reverse=True)
     total_self = sum(e.self_cpu_time_total for e in events) / 1e3 / new_tokens
     lines = [f"{checkpoint_path} {precision}{' compiled' if compile else ''}: {step_ms:.2f} ms per token "
-             f"({1e3 / step_ms:.1f} tok/s under the profiler; {total_self:.2f} ms of operator self time)",
-             f"{'operator':<48} {'ms/token':>8} {'share':>6} {'calls/token':>11}"]
+             f"({1e3 / step_ms:.1f} tok/s under the profiler), of which {total_self:.2f} ms operator self time "
+             f"and {step_ms - total_self:.2f} ms outside operators (Python, dispatch, profiler)",
+             f"{'operator':<48} {'ms/token':>8} {'share':>6} {'calls/token':>11}" + ("  input shapes" if shapes else "")]
     for e in events[:top]:
         ms = e.self_cpu_time_total / 1e3 / new_tokens
-        lines.append(f"{e.key[:48]:<48} {ms:>8.3f} {ms / step_ms:>6.1%} {e.count / new_tokens:>11.1f}")
+        lines.append(f"{e.key[:48]:<48} {ms:>8.3f} {ms / step_ms:>6.1%} {e.count / new_tokens:>11.1f}"
+                     + (f"  {e.input_shapes}" if shapes else ""))
     return "\n".join(lines)
 
 
@@ -61,13 +63,14 @@ def main():
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps (the profiler records CPU-side time)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     p.add_argument("--top", type=int, default=20, help="operators shown")
+    p.add_argument("--shapes", action="store_true", help="one row per operator and input shapes")
     p.add_argument("--trace", type=Path, default=None, help="also write a Chrome trace here")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         print(profile_decode(args.checkpoint_path, args.precision, args.compile, args.prompt_tokens, args.new_tokens,
-                             args.device, args.top, args.trace))
+                             args.device, args.top, args.shapes, args.trace))
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
 
