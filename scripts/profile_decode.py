@@ -45,7 +45,7 @@ def profile_decode(checkpoint_path: Path, precision: str, compile: bool, prompt_
     lines = [f"{checkpoint_path} {precision}{' compiled' if compile else ''}: {step_ms:.2f} ms per token "
              f"({1e3 / step_ms:.1f} tok/s under the profiler), of which {total_self:.2f} ms operator self time "
              f"and {step_ms - total_self:.2f} ms outside operators (Python, dispatch, profiler)",
-             f"{'operator':<48} {'ms/token':>8} {'share':>6} {'calls/token':>11}" + ("  input shapes" if shapes else "")]
+             f"{'operator':<48} {'ms/token':>8} {'share':>6} {'calls/token':>11}{'  input shapes' if shapes else ''}"]
     for e in events[:top]:
         ms = e.self_cpu_time_total / 1e3 / new_tokens
         lines.append(f"{e.key[:48]:<48} {ms:>8.3f} {ms / step_ms:>6.1%} {e.count / new_tokens:>11.1f}"
