@@ -112,7 +112,8 @@ def brisk_checkpoint(model: Model, precision: str) -> Path:
     path = model.work_dir / f"model_{precision}.pth"
     if not path.is_file():
         model.work_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(model.checkpoint.parent / "config.json", model.work_dir / "config.json")
+        if not (model.work_dir / "config.json").is_file():  # the 1B model is made in its work folder
+            shutil.copyfile(model.checkpoint.parent / "config.json", model.work_dir / "config.json")
         log(f"quantizing {model.checkpoint} to {precision} -> {path}")
         quantize.quantize_checkpoint(model.checkpoint, mode, group, output_path=path)
     return path
@@ -178,6 +179,8 @@ def measure_llamacpp(case: "Case", gguf: Path, tools: dict, threads: int) -> dic
 
 # ---------------------------------------------------------------------------------------------
 # Workers: each runs in its own process (`--worker SPEC`) and prints one JSON line.
+# Bytes per token: the weights a decode step reads. An embedding table that the output projection
+# does not share counts for one row only, i.e. not at all.
 
 class TokenTimer:
     """Timestamps every new token: a brisk `generate` callback and a transformers streamer."""
@@ -206,6 +209,10 @@ class TokenTimer:
         return dict(decode_tok_s=decode, prefill_tok_s=prompt_tokens / ttft, ttft_s=ttft)
 
 
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def synthetic_prompt(n: int, vocab_size: int) -> list:
     """The same n tokens as generate.py's --prompt N, for every system."""
     import torch
@@ -231,7 +238,11 @@ def worker_brisk(spec: dict) -> dict:
     warmup_s = time.perf_counter() - t0
     timer.start()
     out = generate.generate(model, prompt, N, callback=timer, **fns)
-    return dict(timer.summary(T), bytes_per_token=generate.model_bytes(model), tokens=out[0, T:T + 32].tolist(),
+    embedding = model.tok_embeddings
+    nbytes = generate.model_bytes(model)
+    if getattr(model.output, "weight", None) is not embedding.weight:  # untied, or quantized (int8 table)
+        nbytes -= tensor_bytes(list(embedding.parameters()) + list(embedding.buffers()))
+    return dict(timer.summary(T), bytes_per_token=nbytes, tokens=out[0, T:T + 32].tolist(),
                 compile_s=warmup_s if spec["compile"] else None, activations=str(precision).removeprefix("torch."))
 
 
@@ -260,7 +271,10 @@ def worker_transformers(spec: dict) -> dict:
         warmup_s = time.perf_counter() - t0
         timer.start()
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), streamer=timer, **kwargs)
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() skips tied copies
+    nbytes = tensor_bytes(model.parameters())  # parameters() skips tied copies
+    embedding = model.get_input_embeddings().weight
+    if embedding is not model.get_output_embeddings().weight:
+        nbytes -= tensor_bytes([embedding])
     return dict(timer.summary(T), bytes_per_token=nbytes, tokens=out[0, T:T + 32].tolist(),
                 compile_s=warmup_s if spec["compile"] else None)
 
