@@ -268,33 +268,31 @@ class QuantizedMoEFeedForward(nn.Module):
             setattr(self, name + suffix, scales.to(precision if kernel == "dequant" else KERNEL_DTYPE))
 
     def linear(self, x: Tensor, name: str, e) -> Tensor:
-        """x [M, in] through projection `name` of expert e (an int, or a 0-d tensor at decode)."""
+        """x [M, in] through projection `name` of expert e."""
         if self.bits == 8:
             return int8_matmul(x, getattr(self, name)[e], getattr(self, f"{name}_scales")[e], self.kernels[name])
         return int4_matmul(x, getattr(self, name)[e], getattr(self, f"{name}_scales_and_zeros")[e], self.groupsize,
                            self.kernels[name])
 
-    def expert(self, x: Tensor, e) -> Tensor:
+    def expert(self, x: Tensor, e: int) -> Tensor:
         return self.linear(F.silu(self.linear(x, "w1", e)) * self.linear(x, "w3", e), "w2", e)
 
+    def expert_weights(self, experts: Tensor):
+        """int8: the selected experts' weights, dequantized; compiled, gather and scaling fuse into the matmuls."""
+        dtype = self.gate.weight.dtype
+        return tuple(getattr(self, n)[experts].to(dtype) * getattr(self, n + "_scales")[experts][..., None].to(dtype)
+                     for n in ("w1", "w3", "w2"))
+
+    # Routing and the eager / compiled paths are MoEFeedForward's: only the expert weights differ.
+    route = MoEFeedForward.route
+    all_experts = MoEFeedForward.all_experts
+
     def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])  # (N, D)
-        probs = F.softmax(self.gate(x).float(), dim=-1)  # (N, E)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
-        if x.shape[0] * self.top_k <= self.num_experts:
-            # Decode: each token runs its selected experts only; indexing with a 0-d tensor gathers
-            # one expert's quantized weights without a host sync.
-            rows = [sum(weights[n, j] * self.expert(x[n:n + 1], experts[n, j]) for j in range(self.top_k))
-                    for n in range(x.shape[0])]
-            return torch.cat(rows).reshape(shape)
-        # Prefill: every expert reads its weights once for all tokens; unselected tokens weigh 0.
-        dense = torch.zeros_like(probs, dtype=x.dtype).scatter(1, experts, weights)  # (N, E)
-        out = torch.zeros_like(x)
-        for e in range(self.num_experts):
-            out += dense[:, e, None] * self.expert(x, e)
-        return out.reshape(shape)
+        if self.bits == 4 and torch.compiler.is_compiling():
+            # The int4 kernels' packed layout cannot be gathered per token: every expert runs.
+            weights, experts = self.route(x.reshape(-1, x.shape[-1]))
+            return self.all_experts(x.reshape(-1, x.shape[-1]), weights, experts).reshape(x.shape)
+        return MoEFeedForward.forward(self, x)
 
 
 QUANTIZED = (Int8Linear, Int4Linear, Int8Embedding, QuantizedMoEFeedForward)

@@ -356,3 +356,19 @@ def test_real_model_int4(real, groupsize, max_error, min_top1):
     assert tokenizer.decode(greedy(model, tokenizer, PROMPTS[0], 4)).startswith(" Paris")
     code = tokenizer.decode(greedy(model, tokenizer, PROMPTS[1]))
     assert "return" in code or "for i in range(n)" in code, code
+
+
+@pytest.mark.parametrize("mode,groupsize", [("int8", None), ("int4", 32)])
+def test_quantized_moe_compiled_decode_equals_eager(tmp_path, mode, groupsize):
+    """A quantized Mixtral-style model decodes under torch.compile(fullgraph=True) as it does eagerly."""
+    import torch._dynamo
+    from generate import compile_fns, generate
+    path = save_random_model(tmp_path, num_experts=4, num_activated_experts=2)
+    model = load_model(quantize.quantize_checkpoint(path, mode, groupsize))
+    prompt = torch.tensor([3, 1, 4, 1, 5])
+    eager = generate(model, prompt, 8, temperature=0.0)
+    torch._dynamo.reset()
+    _, decode_fn = compile_fns("cpu", compile_prefill=False)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = generate(model, prompt, 8, temperature=0.0, decode_fn=decode_fn)
+    assert compiled.tolist() == eager.tolist()
