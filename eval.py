@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from generate import (PRECISIONS, check_device, compile_fns, decode_one_token, default_device, default_precision,
                       device_sync, load_model, log, sample)
 from tokenizer import load_tokenizer
+from tp import maybe_init_dist, rank0_output
 
 LM_EVAL_REQUIREMENT = "lm-eval==0.4.13"
 SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "top_p"}  # generation kwargs we honour
@@ -301,12 +302,14 @@ def main(checkpoint_path: Path, tasks: Optional[list], perplexity: Optional[Path
     if perplexity is not None and not perplexity.is_file():
         raise FileNotFoundError(f"--perplexity {perplexity}: no such file")
     device = check_device(device or default_device())
+    dist = maybe_init_dist(device)  # under torchrun: tensor parallel, one shard (and device) per rank
+    device = dist.device if dist else device
     dtype = PRECISIONS[precision] if precision else default_precision(device)
 
     t0 = time.perf_counter()
-    # Tensor parallelism plugs in here (tp.py): every rank loads its shard and runs every request
-    # (lm_eval sees one process); only rank 0 prints and writes --output_json.
-    model = load_model(checkpoint_path, device, dtype)
+    # Under torchrun every rank loads its shard and runs every request (lm_eval sees one process);
+    # only rank 0 prints (cli) and writes --output_json.
+    model = load_model(checkpoint_path, device, dtype, tp=dist)
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     device_sync(device)
     log(f"Loaded {checkpoint_path} in {time.perf_counter() - t0:.2f} s")
@@ -331,7 +334,7 @@ def main(checkpoint_path: Path, tasks: Optional[list], perplexity: Optional[Path
         print(f"perplexity {ppl:.4f} on {perplexity} ({n} tokens scored, max_seq_length {scorer.max_length}, "
               f"stride {stride or scorer.max_length // 2})")
         output["perplexity"] = ppl
-    if output_json is not None:
+    if output_json is not None and (dist is None or dist.rank == 0):
         tmp = output_json.with_name(output_json.name + ".tmp")
         tmp.write_text(json.dumps(output, indent=2, default=str) + "\n")
         tmp.replace(output_json)
@@ -368,7 +371,8 @@ def parse_args(argv=None):
 def cli(argv=None):
     args = parse_args(argv)
     try:
-        main(**vars(args))
+        with rank0_output():
+            main(**vars(args))
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from model import ModelArgs, Transformer
+from tp import apply_tp, maybe_init_dist, rank0_output
 
 DEFAULT_CHECKPOINT = Path("checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model.pth")
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -126,10 +127,12 @@ def trim_at_eos(tokens: list, eos_ids) -> list:
     return tokens
 
 
-def load_model(checkpoint_path, device="cpu", precision: torch.dtype = torch.float32) -> Transformer:
+def load_model(checkpoint_path, device="cpu", precision: torch.dtype = torch.float32, tp=None) -> Transformer:
     """Build the model from config.json beside the checkpoint and load its weights strictly.
 
     Quantized checkpoints carry their own quantization settings, read here (never from the name).
+    tp: the tp.Dist of tp.maybe_init_dist (under torchrun): keep this rank's tensor-parallel shard,
+    cut while the weights are still memory-mapped on the CPU, so only the shard reaches the device.
     """
     checkpoint_path = Path(checkpoint_path)
     if not checkpoint_path.is_file():
@@ -157,6 +160,8 @@ def load_model(checkpoint_path, device="cpu", precision: torch.dtype = torch.flo
     model.load_state_dict(state_dict, assign=True, strict=True)
     if config.tie_embeddings and quantization is None:
         model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
+    if tp is not None:
+        apply_tp(model, tp.rank, tp.world_size)
     model = model.to(device=device, dtype=precision)
     if quantization is not None:
         quantize.finalize_model(model, quantization, device=device, precision=precision)
@@ -279,11 +284,15 @@ def main(prompt: str, interactive: bool, chat: Optional[bool], num_samples: int,
             raise FileNotFoundError(f"the default model is not prepared ({checkpoint_path} missing); run "
                                     "./scripts/prepare.sh, or pass --checkpoint_path")
     device = check_device(device or default_device())
+    dist = maybe_init_dist(device)  # under torchrun: tensor parallel, one shard (and device) per rank
+    device = dist.device if dist else device
+    if dist and interactive:
+        raise ValueError("--interactive reads stdin in one process; run it without torchrun")
     dtype = PRECISIONS[precision] if precision else default_precision(device)
     torch.manual_seed(seed)
 
     t0 = time.perf_counter()
-    model = load_model(checkpoint_path, device, dtype)
+    model = load_model(checkpoint_path, device, dtype, tp=dist)
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"wrong tokenizer for this checkpoint: it has {tokenizer.vocab_size} tokens, the model "
@@ -423,7 +432,8 @@ def parse_args(argv=None):
 def cli(argv=None):
     args = parse_args(argv)
     try:
-        main(**vars(args))
+        with rank0_output():
+            main(**vars(args))
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:

@@ -261,12 +261,16 @@ class MoEFeedForward(nn.Module):
             h = F.silu(torch.einsum("nd,nkid->nki", x, w1)) * torch.einsum("nd,nkid->nki", x, w3)  # (N, k, I)
             y = torch.einsum("nki,nkdi->nkd", h, w2)  # (N, k, D)
             return torch.einsum("nkd,nk->nd", y, weights).reshape(shape)
-        # Compiled, many tokens: static shapes, so every expert runs on all tokens; unselected ones weigh 0.
-        dense = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device).scatter(1, experts, weights)  # (N, E)
+        return self.all_experts(x, weights, experts).reshape(shape)
+
+    def all_experts(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """Compiled, many tokens: static shapes, so every expert runs on all tokens; unselected ones weigh 0."""
+        dense = torch.zeros(x.shape[0], self.w1.shape[0], dtype=x.dtype, device=x.device)
+        dense = dense.scatter(1, experts, weights)  # (N, E)
         out = torch.zeros_like(x)
-        for e in range(E):
+        for e in range(dense.shape[1]):
             out += dense[:, e, None] * self.expert(x, e)
-        return out.reshape(shape)
+        return out
 
 
 class RMSNorm(nn.Module):

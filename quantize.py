@@ -32,9 +32,9 @@ from torch.nn import functional as F
 from model import ModelArgs, MoEFeedForward, Transformer
 
 FORMAT_VERSION = 1
-# Each mode fills one of the layouts below; issue 8 adds "int4-gptq" (GPTQ.py), which writes the
-# same int4 layout with better-chosen integers, so loading needs nothing new.
-MODES = ("int8", "int4")
+# Each mode fills one of the layouts below; "int4-gptq" (GPTQ.py) writes the same int4 layout with
+# integers chosen against calibration data, so loading needs nothing new.
+MODES = ("int8", "int4", "int4-gptq")
 GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's int4 kernels accept
 DEFAULT_GROUPSIZE = 32
 # The CPU pack-mm kernels are fast only with bf16 activations and scales (5-12x slower in fp32),
@@ -78,16 +78,30 @@ def quantize_int4(w: Tensor, groupsize: int) -> tuple:
     N, K = w.shape
     w = F.pad(w.float(), (0, padded_size(K, groupsize) - K))
     groups = w.reshape(N, -1, groupsize)  # (N, G, g)
+    scales, zeros = int4_group_params(groups)  # (N, G) each
+    q = int4_codes(groups, scales[..., None], zeros[..., None]).reshape(N, -1)  # (N, Kp)
+    return pack_int4_codes(q), torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+
+
+def int4_group_params(groups: Tensor) -> tuple:
+    """groups [..., g] -> bf16 (scales, zeros) [...] of a grid (q - 8) * scale + zero covering each group."""
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
     # The zero sits at q = 8: round it to bf16 first, then widen the step until the grid
     # zero - 8 * scale .. zero + 7 * scale still covers [lo, hi] despite that rounding.
     zeros = (lo + 8 * (hi - lo) / 15).to(torch.bfloat16)
     z = zeros.float()
     scales = bf16_at_least(torch.maximum((z - lo) / 8, (hi - z) / 7).clamp(min=1e-8))
-    q = torch.round((groups - z[..., None]) / scales.float()[..., None]) + 8
-    q = q.clamp(0, 15).to(torch.uint8).reshape(N, -1)  # (N, Kp)
-    packed = q[:, ::2] << 4 | q[:, 1::2]
-    return packed, torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+    return scales, zeros
+
+
+def int4_codes(w: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
+    """The nearest codes 0..15 (uint8) of w on the grid (q - 8) * scales + zeros (broadcast against w)."""
+    return (torch.round((w - zeros.float()) / scales.float()) + 8).clamp(0, 15).to(torch.uint8)
+
+
+def pack_int4_codes(q: Tensor) -> Tensor:
+    """Codes 0..15 [N, Kp] -> uint8 [N, Kp/2], column k in the high nibble of byte k//2 when k is even."""
+    return q[:, ::2] << 4 | q[:, 1::2]
 
 
 def unpack_int4(packed: Tensor) -> Tensor:
@@ -142,10 +156,10 @@ def int4_kernel(device: torch.device, out_features: int) -> str:
     return "dequant"
 
 
-def pack_int4(packed: Tensor, kernel: str, groupsize: int) -> Tensor:
+def pack_int4(packed: Tensor, kernel: str) -> Tensor:
     """The portable layout [..., N, Kp/2] repacked for `kernel` (stacked experts packed one by one)."""
     if packed.dim() == 3:
-        return torch.stack([pack_int4(p, kernel, groupsize) for p in packed])
+        return torch.stack([pack_int4(p, kernel) for p in packed])
     if kernel == "cpu":
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(packed).int(), 2)
     if kernel == "cuda":
@@ -194,7 +208,7 @@ class Int4Linear(nn.Module):
     def finalize(self, device: torch.device, precision: torch.dtype):
         assert self.kernel is None, "finalize() repacks the weight: call it once"
         self.kernel = int4_kernel(device, self.out_features)
-        self.weight = pack_int4(self.weight, self.kernel, self.groupsize)
+        self.weight = pack_int4(self.weight, self.kernel)
         self.scales_and_zeros = self.scales_and_zeros.to(precision if self.kernel == "dequant" else KERNEL_DTYPE)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -247,40 +261,38 @@ class QuantizedMoEFeedForward(nn.Module):
                 suffix = "_scales"
             else:
                 kernel = int4_kernel(device, getattr(self, name).shape[1])
-                setattr(self, name, pack_int4(getattr(self, name), kernel, self.groupsize))
+                setattr(self, name, pack_int4(getattr(self, name), kernel))
                 suffix = "_scales_and_zeros"
             self.kernels[name] = kernel
             scales = getattr(self, name + suffix)
             setattr(self, name + suffix, scales.to(precision if kernel == "dequant" else KERNEL_DTYPE))
 
     def linear(self, x: Tensor, name: str, e) -> Tensor:
-        """x [M, in] through projection `name` of expert e (an int, or a 0-d tensor at decode)."""
+        """x [M, in] through projection `name` of expert e."""
         if self.bits == 8:
             return int8_matmul(x, getattr(self, name)[e], getattr(self, f"{name}_scales")[e], self.kernels[name])
         return int4_matmul(x, getattr(self, name)[e], getattr(self, f"{name}_scales_and_zeros")[e], self.groupsize,
                            self.kernels[name])
 
-    def expert(self, x: Tensor, e) -> Tensor:
+    def expert(self, x: Tensor, e: int) -> Tensor:
         return self.linear(F.silu(self.linear(x, "w1", e)) * self.linear(x, "w3", e), "w2", e)
 
+    def expert_weights(self, experts: Tensor):
+        """int8: the selected experts' weights, dequantized; compiled, gather and scaling fuse into the matmuls."""
+        dtype = self.gate.weight.dtype
+        return tuple(getattr(self, n)[experts].to(dtype) * getattr(self, n + "_scales")[experts][..., None].to(dtype)
+                     for n in ("w1", "w3", "w2"))
+
+    # Routing and the eager / compiled paths are MoEFeedForward's: only the expert weights differ.
+    route = MoEFeedForward.route
+    all_experts = MoEFeedForward.all_experts
+
     def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])  # (N, D)
-        probs = F.softmax(self.gate(x).float(), dim=-1)  # (N, E)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
-        if x.shape[0] * self.top_k <= self.num_experts:
-            # Decode: each token runs its selected experts only; indexing with a 0-d tensor gathers
-            # one expert's quantized weights without a host sync.
-            rows = [sum(weights[n, j] * self.expert(x[n:n + 1], experts[n, j]) for j in range(self.top_k))
-                    for n in range(x.shape[0])]
-            return torch.cat(rows).reshape(shape)
-        # Prefill: every expert reads its weights once for all tokens; unselected tokens weigh 0.
-        dense = torch.zeros_like(probs, dtype=x.dtype).scatter(1, experts, weights)  # (N, E)
-        out = torch.zeros_like(x)
-        for e in range(self.num_experts):
-            out += dense[:, e, None] * self.expert(x, e)
-        return out.reshape(shape)
+        if self.bits == 4 and torch.compiler.is_compiling():
+            # The int4 kernels' packed layout cannot be gathered per token: every expert runs.
+            weights, experts = self.route(x.reshape(-1, x.shape[-1]))
+            return self.all_experts(x.reshape(-1, x.shape[-1]), weights, experts).reshape(x.shape)
+        return MoEFeedForward.forward(self, x)
 
 
 QUANTIZED = (Int8Linear, Int4Linear, Int8Embedding, QuantizedMoEFeedForward)
@@ -366,65 +378,50 @@ def quantize_state_dict(state_dict: dict, config: ModelArgs, mode: str, groupsiz
         model = Transformer(config)
     weights = dict(state_dict)
     if config.tie_embeddings and "output.weight" not in weights:
-        weights["output.weight"] = weights["tok_embeddings.weight"]  # quantized separately: untied
+        weights["output.weight"] = weights["tok_embeddings.weight"]  # quantized apart: untied
     routers = {f"{n}.gate" for n, m in model.named_modules() if isinstance(m, MoEFeedForward)}
     todo = [(n, m) for n, m in model.named_modules()
             if isinstance(m, (nn.Linear, nn.Embedding, MoEFeedForward)) and n not in routers]
-    out, layers = {}, {}
+    out, layers = {}, {name: {"kind": "none", "reason": ROUTER_NOTE} for name in sorted(routers)}
     t0 = time.perf_counter()
     for i, (name, module) in enumerate(todo, 1):
-        if isinstance(module, MoEFeedForward):
-            spec = {"kind": mode}
-            errors = []
-            padded = {}
-            for proj in ("w1", "w3", "w2"):
-                w = weights.pop(f"{name}.{proj}")  # (E, n, k)
-                q, s, err = quantize_stack(w, mode, groupsize)
-                out[f"{name}.{proj}"] = q
-                out[f"{name}.{proj}_scales" if mode == "int8" else f"{name}.{proj}_scales_and_zeros"] = s
-                errors.append(err)
-                padded[proj] = padded_size(w.shape[-1], groupsize) if mode == "int4" else None
-            if mode == "int4":
-                spec.update(groupsize=groupsize, padded_in_features=padded)
-            layers[name] = spec
-            layers[f"{name}.gate"] = {"kind": "none", "reason": ROUTER_NOTE}
-            detail, err = f"{config.num_experts} experts", max(errors)
+        kind = "int8" if isinstance(module, nn.Embedding) else mode
+        scales = "scales" if kind == "int8" else "scales_and_zeros"
+        if isinstance(module, MoEFeedForward):  # stacked experts: "w1" -> "w1_scales"
+            keys = {f"{name}.{p}": f"{name}.{p}_{scales}" for p in ("w1", "w3", "w2")}
         else:
-            w = weights.pop(f"{name}.weight")
-            if isinstance(module, nn.Embedding) or mode == "int8":
-                q, s = quantize_int8(w)
-                out[f"{name}.weight"], out[f"{name}.scales"] = q, s
-                spec, err = {"kind": "int8"}, rel_error(w, dequantize_int8(q, s))
-            else:
-                q, s = quantize_int4(w, groupsize)
-                out[f"{name}.weight"], out[f"{name}.scales_and_zeros"] = q, s
-                kp = padded_size(w.shape[1], groupsize)
-                spec = {"kind": "int4", "groupsize": groupsize, "padded_in_features": kp}
-                err = rel_error(w, dequantize_int4(q, s, groupsize)[:, :w.shape[1]])
-            layers[name] = spec
-            detail = "x".join(map(str, w.shape))
-            if spec.get("padded_in_features", w.shape[1]) != w.shape[1]:
-                detail += f", in_features padded to {spec['padded_in_features']} (not a multiple of {groupsize})"
-        label = spec["kind"] + (f" g{groupsize}" if spec["kind"] == "int4" else "")
-        log(f"[{i:3d}/{len(todo)}] {name:32s} {label:8s} relative error {err:.4f}  ({detail})")
+            keys = {f"{name}.weight": f"{name}.{scales}"}
+        spec, errors, padded, notes = {"kind": kind}, [], {}, []
+        for key, scales_key in keys.items():
+            w = weights.pop(key)
+            out[key], out[scales_key], err = quantize_weight(w, kind, groupsize)
+            errors.append(err)
+            if kind == "int4":
+                proj, k = key.rpartition(".")[2], w.shape[-1]
+                padded[proj] = padded_size(k, groupsize)
+                if padded[proj] != k:
+                    notes.append(f"in_features {k} padded to {padded[proj]}")
+        if kind == "int4":
+            spec.update(groupsize=groupsize, padded_in_features=padded.get("weight", padded))
+        layers[name] = spec
+        label = kind + (f" g{groupsize}" if kind == "int4" else "")
+        detail = "; ".join(["x".join(map(str, w.shape)), *sorted(set(notes))])
+        log(f"[{i:3d}/{len(todo)}] {name:32s} {label:8s} relative error {max(errors):.4f}  ({detail})")
     out.update(weights)  # what is left (norms, biases, routers) is kept as it is
     log(f"quantized {len(todo)} modules in {time.perf_counter() - t0:.1f} s")
     return out, layers
 
 
-def quantize_stack(w: Tensor, mode: str, groupsize: Optional[int]) -> tuple:
-    """Stacked expert weights [E, n, k] -> (q, scales, worst relative error), expert by expert."""
-    qs, ss, errs = [], [], []
-    for we in w:
-        if mode == "int8":
-            q, s = quantize_int8(we)
-            errs.append(rel_error(we, dequantize_int8(q, s)))
-        else:
-            q, s = quantize_int4(we, groupsize)
-            errs.append(rel_error(we, dequantize_int4(q, s, groupsize)[:, :we.shape[1]]))
-        qs.append(q)
-        ss.append(s)
-    return torch.stack(qs), torch.stack(ss), max(errs)
+def quantize_weight(w: Tensor, kind: str, groupsize: Optional[int]) -> tuple:
+    """w [N, K], or stacked experts [E, N, K] -> (weight, scales or scales_and_zeros, relative error)."""
+    if w.dim() == 3:
+        parts = [quantize_weight(we, kind, groupsize) for we in w]
+        return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]), max(p[2] for p in parts)
+    if kind == "int8":
+        q, s = quantize_int8(w)
+        return q, s, rel_error(w, dequantize_int8(q, s))
+    q, s = quantize_int4(w, groupsize)
+    return q, s, rel_error(w, dequantize_int4(q, s, groupsize)[:, :w.shape[1]])
 
 
 def rel_error(w: Tensor, approx: Tensor) -> float:
@@ -434,8 +431,11 @@ def rel_error(w: Tensor, approx: Tensor) -> float:
 
 
 def quantize_checkpoint(checkpoint_path, mode: str, groupsize: Optional[int] = None,
-                        output_path: Optional[Path] = None, log=lambda *a: None) -> Path:
-    """Quantize model.pth (with config.json beside it) into model_int8.pth / model_int4.gN.pth."""
+                        output_path: Optional[Path] = None, log=lambda *a: None, **gptq_options) -> Path:
+    """Quantize model.pth (with config.json beside it) into model_int8.pth / model_int4.gN.pth.
+
+    int4-gptq takes its calibration and GPTQ settings as keyword arguments (GPTQ.quantize_state_dict's).
+    """
     from scripts.convert_hf_checkpoint import atomic_save
 
     groupsize = check_options(mode, groupsize)
@@ -451,9 +451,16 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: Optional[int] = N
     if "quantization" in state_dict:
         raise ValueError(f"{checkpoint_path} is already quantized ({state_dict['quantization']['mode']}); "
                          "quantize the full-precision model.pth instead")
-    sd, layers = quantize_state_dict(state_dict, config, mode, groupsize, log)
-    metadata = {"format": FORMAT_VERSION, "mode": mode, "bits": 8 if mode == "int8" else 4,
-                "groupsize": groupsize, "layers": layers}
+    metadata = {"format": FORMAT_VERSION, "mode": mode, "bits": 8 if mode == "int8" else 4, "groupsize": groupsize}
+    if mode == "int4-gptq":
+        import GPTQ  # only GPTQ needs it (and the tokenizer)
+        sd, layers, metadata["gptq"] = GPTQ.quantize_state_dict(state_dict, config, checkpoint_path.parent, groupsize,
+                                                                log=log, **gptq_options)
+    else:
+        if gptq_options:
+            raise ValueError(f"--{sorted(gptq_options)[0]} applies to --mode int4-gptq only")
+        sd, layers = quantize_state_dict(state_dict, config, mode, groupsize, log)
+    metadata["layers"] = layers
     check_loadable(config, metadata, sd)
     output_path = Path(output_path) if output_path else output_name(checkpoint_path, mode, groupsize)
     atomic_save({"quantization": metadata, "state_dict": sd}, output_path)
@@ -473,11 +480,13 @@ def check_loadable(config: ModelArgs, metadata: dict, state_dict: dict) -> None:
     assert not bad, f"state dict shapes or dtypes differ: {bad[:5]}"
 
 
-def main(checkpoint_path: Path, mode: str, groupsize: Optional[int]):
+def main(checkpoint_path: Path, mode: str, groupsize: Optional[int], **gptq_options):
     def log(*args):
         print(*args, file=sys.stderr, flush=True)
 
-    output = quantize_checkpoint(checkpoint_path, mode, groupsize, log=log)
+    # Options left unset take GPTQ.py's defaults (and are errors with the other modes).
+    gptq_options = {k: v for k, v in gptq_options.items() if v not in (None, False)}
+    output = quantize_checkpoint(checkpoint_path, mode, groupsize, log=log, **gptq_options)
     log(f"wrote {output} ({output.stat().st_size / 1e6:.1f} MB; {checkpoint_path.stat().st_size / 1e6:.1f} MB before)")
 
 
@@ -491,6 +500,24 @@ def parse_args(argv=None):
     p.add_argument("--groupsize", type=int, choices=GROUP_SIZES, default=None,
                    help=f"int4 only: input channels sharing a scale and zero (default {DEFAULT_GROUPSIZE}); "
                         "smaller is more exact")
+    import GPTQ  # its defaults; imported here because it imports this file
+
+    g = p.add_argument_group("int4-gptq", "GPTQ (GPTQ.py): int4 weights fitted to calibration text")
+    g.add_argument("--calibration_file", type=Path, default=None,
+                   help="a local text file to calibrate on (a few hundred KB of text like what the model will see)")
+    g.add_argument("--calibration_tasks", nargs="+", default=None,
+                   help="lm_eval tasks whose documents to calibrate on instead (e.g. wikitext; downloads their data)")
+    g.add_argument("--calibration_limit", type=int, default=None,
+                   help=f"calibration sequences, sampled at random offsets (default {GPTQ.DEFAULT_CALIBRATION_LIMIT})")
+    g.add_argument("--calibration_seq_length", type=int, default=None, help=f"tokens per sequence (default {GPTQ.DEFAULT_CALIBRATION_SEQ_LENGTH}, or the "
+                        "model's context if shorter)")
+    g.add_argument("--seed", type=int, default=None, help=f"seed of the sequence sampling (default {GPTQ.DEFAULT_SEED})")
+    g.add_argument("--percdamp", type=float, default=None,
+                   help=f"dampening added to the Hessian's diagonal, as a fraction of its mean (default {GPTQ.DEFAULT_PERCDAMP})")
+    g.add_argument("--blocksize", type=int, default=None, help=f"columns per lazy batch update (default {GPTQ.DEFAULT_BLOCKSIZE})")
+    g.add_argument("--act_order", action="store_true",
+                   help="quantize the most active input channels first (often better; same file layout)")
+    g.add_argument("--device", default=None, help="where GPTQ runs (default: cuda if available, else cpu)")
     return p.parse_args(argv)
 
 

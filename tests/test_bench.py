@@ -1,0 +1,32 @@
+"""Smoke test of scripts/bench.py: one round on a tiny converted model, the JSON it writes, the table.
+Never a timing assertion: the numbers depend on the machine."""
+import json
+
+from scripts import bench
+from tests.conftest import make_hf_model, save_and_convert
+
+
+def test_bench_smoke(tmp_path):
+    checkpoint = save_and_convert(make_hf_model("llama32"), tmp_path / "tiny")
+    out = tmp_path / "results.json"
+    args = bench.parse_args(["--quick", "--models", str(checkpoint.parent), "--configs", "brisk,llama.cpp",
+                             "--precisions", "fp32", "--prompts", "short,long", "--long_prompt", "300",
+                             "--new_tokens", "4", "--roofline_mb", "16", "--work_dir", str(tmp_path / "work"),
+                             "--llamacpp_dir", str(tmp_path / "none"), "--out", str(out), "--plot", ""])
+    bench.main(args)
+
+    report = json.loads(out.read_text())
+    assert report["schema"] == 1 and report["roofline_gbps"] > 0
+    assert {"cpu", "threads", "torch", "transformers"} <= set(report["machine"])
+    (result,) = report["results"]  # the long prompt exceeds the tiny model's 256-token context
+    assert (result["model"], result["prompt"], result["system"], result["precision"]) == ("tiny", "short", "brisk",
+                                                                                           "fp32")
+    assert (result["prompt_tokens"], result["new_tokens"]) == (bench.SHORT_PROMPT, 4)
+    for key in ("decode_tok_s", "prefill_tok_s", "ttft_s", "peak_rss_mb", "bandwidth_gbps", "roofline_fraction"):
+        assert result[key] > 0, key
+    n_params = sum(p.numel() for p in make_hf_model("llama32").parameters())
+    assert result["bytes_per_token"] == 4 * n_params  # fp32 weights, the tied output counted once
+    assert len(result["rounds"]) == 1 and len(result["rounds"][0]["tokens"]) == 4
+    skipped = {s["what"] for s in report["skipped"]}
+    assert {"llama.cpp", "tiny long"} <= skipped
+    assert "tiny" in bench.format_table(report)

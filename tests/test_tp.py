@@ -1,0 +1,206 @@
+"""tp.py: 2-way tensor parallelism under torchrun on the CPU (gloo) against the single-process model."""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_hf_model, save_and_convert
+from eval import cli as eval_cli
+from generate import cli, generate, load_model
+from model import ModelArgs, Transformer
+import quantize
+from tp import Dist, check_divisible, maybe_init_dist
+from tp_worker import PROMPT, dequant_only, logits
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def torchrun(*args, timeout=600) -> subprocess.CompletedProcess:
+    # OMP_NUM_THREADS set: one thread per rank, and torchrun prints no banner about it.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def save_random_moe(root: Path) -> Path:
+    """A tiny Mixtral-shaped checkpoint (4 experts, top-2, GQA) with random weights."""
+    config = ModelArgs(block_size=256, vocab_size=256, n_layer=2, n_head=4, n_local_heads=2, dim=64,
+                       intermediate_size=128, num_experts=4, num_activated_experts=2)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.15) if p.dim() > 1 else p.normal_(1, 0.05)
+    root.mkdir(parents=True)
+    torch.save(model.state_dict(), root / "model.pth")
+    config.to_json(root / "config.json")
+    return root / "model.pth"
+
+
+def save_byte_tokenizer(root: Path):
+    """A 256-token byte-level tokenizer.json (no merges): enough for generate.py on a vocab-256 model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(root / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    paths = {
+        # GQA + q/k/v bias + tied embeddings (the output shard is a view of the embedding rows).
+        "qwen2": save_and_convert(make_hf_model("qwen2"), root / "qwen2"),
+        # Untied, and a vocab of 255 that 2 ranks split only with padding.
+        "llama_odd_vocab": save_and_convert(make_hf_model("llama31", vocab_size=255, intermediate_size=128),
+                                            root / "llama"),
+        "moe": save_random_moe(root / "moe"),
+    }
+    paths["qwen2_int8"] = quantize.quantize_checkpoint(paths["qwen2"], "int8")
+    paths["llama_odd_vocab_int4"] = quantize.quantize_checkpoint(paths["llama_odd_vocab"], "int4", 32)
+    paths["moe_int8"] = quantize.quantize_checkpoint(paths["moe"], "int8")
+    paths["moe_int4"] = quantize.quantize_checkpoint(paths["moe"], "int4", 32)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def tp_results(checkpoints, tmp_path_factory):
+    """One torchrun launch checks every checkpoint; returns path -> what rank 0 saw."""
+    out = tmp_path_factory.mktemp("tp_out") / "results.pt"
+    run = torchrun("tests/tp_worker.py", *checkpoints.values(), "--out", out)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama_odd_vocab", "moe", "qwen2_int8:dequant",
+                                  "llama_odd_vocab_int4:dequant", "moe_int8:dequant", "moe_int4:dequant"])
+def test_tp_matches_single_process(name, checkpoints, tp_results):
+    """Sharded == whole to fp32 precision (quantized layers on the fp32 dequantize path)."""
+    name, _, variant = name.partition(":")
+    path = checkpoints[name]
+    got = tp_results[f"{path}:{variant}" if variant else str(path)]
+    with dequant_only() if variant else contextlib.nullcontext():
+        model = load_model(path)
+    torch.testing.assert_close(got["logits"], logits(model), atol=2e-5, rtol=1e-5)
+    expected = generate(model, PROMPT, 20, temperature=0.0)
+    assert got["greedy"].tolist() == expected.tolist()
+    assert len(set(expected[0, len(PROMPT):].tolist())) > 3, "degenerate test: the model repeats one token"
+    assert_ranks_sampled_alike(got)
+
+
+@pytest.mark.parametrize("name", ["qwen2_int8", "llama_odd_vocab_int4", "moe_int8", "moe_int4"])
+def test_tp_quantized_kernels(name, checkpoints, tp_results):
+    """With the CPU int8/int4 kernels (bf16 activations) sharded and whole agree to bf16 precision:
+    a misplaced scale or nibble would be off by the size of the logits (~5), not by ~0.05."""
+    path = checkpoints[name]
+    got = tp_results[str(path)]
+    torch.testing.assert_close(got["logits"], logits(load_model(path)), atol=0.15, rtol=0.02)
+    assert_ranks_sampled_alike(got)
+
+
+def assert_ranks_sampled_alike(got):
+    """Every rank drew the same tokens (same seed, bit-identical gathered logits)."""
+    rank0, rank1 = got["sampled_by_rank"]
+    assert rank0.tolist() == rank1.tolist()
+    assert rank0[0].tolist() != rank0[1].tolist(), "degenerate test: sampling rows should differ"
+
+
+def single_process_text(checkpoints, capsys) -> tuple:
+    path = checkpoints["qwen2"]
+    save_byte_tokenizer(path.parent)
+    args = ["--checkpoint_path", str(path), "--prompt", "Hi", "--temperature", "0", "--max_new_tokens", "24",
+            "--device", "cpu"]
+    cli(args)
+    return args, capsys.readouterr().out
+
+
+def test_generate_cli_under_torchrun(checkpoints, capsys):
+    """generate.py under torchrun prints the single-process text once; logs come from rank 0 only."""
+    args, single = single_process_text(checkpoints, capsys)
+    run = torchrun("generate.py", *args)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout == single
+    assert run.stderr.count("Loaded ") == 1 and run.stderr.count("Average tokens/sec") == 1
+
+
+@pytest.mark.slow
+def test_speculative_under_torchrun(checkpoints, capsys):
+    """A sharded target verifies the drafts of a whole (unsharded) int8 draft on every rank;
+    greedy, it must give the target's own greedy text."""
+    args, single = single_process_text(checkpoints, capsys)
+    run = torchrun("generate.py", *args, "--draft_checkpoint_path", checkpoints["qwen2_int8"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout == single and run.stderr.count("Speculation: ") == 1
+
+
+def test_eval_perplexity_under_torchrun(checkpoints, tmp_path, capsys):
+    """eval.py under torchrun: the single-process perplexity, printed once, the JSON written once."""
+    path = checkpoints["llama_odd_vocab"]
+    save_byte_tokenizer(path.parent)
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    args = ["--checkpoint_path", str(path), "--perplexity", str(text), "--max_seq_length", "64", "--device", "cpu"]
+    eval_cli(args)
+    single = capsys.readouterr().out
+    assert single.startswith("perplexity ")
+    run = torchrun("eval.py", *args, "--output_json", tmp_path / "out.json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("\n") == 1 and run.stdout.startswith("perplexity ")
+    expected = pytest.approx(float(single.split()[1]), rel=1e-5)  # fp32: the printed 4th decimal may differ
+    assert float(run.stdout.split()[1]) == expected
+    assert json.loads((tmp_path / "out.json").read_text())["perplexity"] == expected
+
+
+def test_divisibility_errors():
+    with pytest.raises(ValueError, match=r"^n_head = 9 does not split across 2 .* across 1 or 3 ranks"):
+        check_divisible(ModelArgs.from_name("SmolLM2-135M"), 2)
+    with pytest.raises(ValueError, match=r"^n_local_heads \(key/value heads\) = 2 .* across 4 .* across 1 or 2 ranks"):
+        check_divisible(ModelArgs(n_head=8, n_local_heads=2, dim=64, intermediate_size=128), 4)
+    with pytest.raises(ValueError, match=r"^intermediate_size = 90 .* across 1 or 2 ranks"):
+        check_divisible(ModelArgs(n_head=4, dim=64, intermediate_size=90), 4)
+    with pytest.raises(ValueError, match=r"^intermediate_size \(of each expert\) = 90 "):
+        check_divisible(ModelArgs(n_head=4, dim=64, intermediate_size=90, num_experts=4), 4)
+    check_divisible(ModelArgs.from_name("llama-3-70b"), 8)
+
+
+@pytest.mark.parametrize("groupsize,message", [
+    (32, "160 input features in groups of 32 does not split into whole groups across 2 ranks; use int8 or fewer"),
+    (64, "64 input features in groups of 64 .*; re-quantize with --groupsize 32$")])
+def test_int4_groups_must_split(groupsize, message, tmp_path):
+    """An input split (wo: 64 columns, w2: 160) must keep int4 groups whole on each rank."""
+    path = quantize.quantize_checkpoint(save_and_convert(make_hf_model("llama2"), tmp_path), "int4", groupsize)
+    with pytest.raises(ValueError, match=message):
+        load_model(path, tp=Dist(rank=0, world_size=2, device="cpu"))
+
+
+def test_maybe_init_dist_outside_torchrun(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert maybe_init_dist("cpu") is None
+
+
+@pytest.mark.parametrize("device,message", [("cuda", "launched with 2 ranks on this node but only 1 CUDA"),
+                                            ("mps", "runs on CUDA .* or the CPU")])
+def test_maybe_init_dist_errors(device, message, monkeypatch):
+    for k, v in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=message):
+        maybe_init_dist(device)
+
+
+@pytest.mark.slow
+def test_compiled_tp_decode(checkpoints, tmp_path):
+    """torch.compile(fullgraph=True) captures the collectives: compiled greedy == single-process eager."""
+    out = tmp_path / "results.pt"
+    run = torchrun("tests/tp_worker.py", checkpoints["qwen2"], "--compile", "--out", out)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = torch.load(out)[str(checkpoints["qwen2"])]
+    expected = generate(load_model(checkpoints["qwen2"]), PROMPT, 20, temperature=0.0)
+    assert got["compiled_greedy"].tolist() == expected.tolist()
