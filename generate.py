@@ -298,7 +298,8 @@ def main(prompt: str, interactive: bool, chat: Optional[bool], num_samples: int,
         raise ValueError(f"wrong tokenizer for this checkpoint: it has {tokenizer.vocab_size} tokens, the model "
                          f"{model.config.vocab_size}; re-run the conversion so the tokenizer files match")
     device_sync(device)
-    log(f"Loaded {checkpoint_path} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+    # Weight bytes rather than a parameter count: quantized layers keep their weights in buffers.
+    log(f"Loaded {checkpoint_path} ({model_bytes(model) / 1e6:.1f} MB of weights, "
         f"{dtype}, {device}) in {time.perf_counter() - t0:.2f} s")
     eos_ids = [] if ignore_eos else tokenizer.eos_ids
     sampling = sampling_settings(Path(checkpoint_path).parent, temperature, top_k, top_p)
