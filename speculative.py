@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from generate import decode_one_token, load_model, log, logits_to_probs, prefill
+from generate import compile_step, decode_one_token, load_model, log, logits_to_probs, prefill
 from model import Transformer
 
 
@@ -136,10 +136,9 @@ def draft_k_tokens(draft_model: Transformer, token: Tensor, pos: int, k: int, dr
     return torch.cat(tokens), torch.cat(probs)
 
 
-def compile_verify(device: str) -> Callable:
+def compile_verify(device: str, dtype: torch.dtype = torch.float32) -> Callable:
     """The target's (k+1)-token verify forward, compiled like generate.compile_fns' decode step."""
-    mode = "reduce-overhead" if device.startswith("cuda") else None  # CUDA graphs on CUDA
-    return torch.compile(verify, mode=mode, fullgraph=True)
+    return compile_step(verify, device, dtype)
 
 
 def load_draft(path: Path, target: Transformer, tokenizer, device, precision) -> Transformer:
