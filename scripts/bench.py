@@ -14,6 +14,7 @@ memory roofline (a streaming read with all threads), and each decode speed is sh
 of it: bytes of weights read per token x tokens/s / bandwidth.
 """
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -139,13 +140,27 @@ def gguf_file(model: Model, precision: str, tools: dict) -> Path:
     if not f32.is_file():
         f32.parent.mkdir(parents=True, exist_ok=True)
         log(f"converting {model.hf_dir} to {f32}")
-        run_checked([sys.executable, str(tools["convert"]), str(model.hf_dir), "--outtype", "f32",
-                     "--outfile", str(f32)])
+        with partial_file(f32) as tmp:
+            run_checked([sys.executable, str(tools["convert"]), str(model.hf_dir), "--outtype", "f32",
+                         "--outfile", str(tmp)])
     out = f32.with_name(f"{GGUF_TYPES[precision]}.gguf")
     if not out.is_file():
         log(f"llama-quantize {f32.name} -> {out.name}")
-        run_checked([str(tools["quantize"]), str(f32), str(out), GGUF_TYPES[precision]])
+        with partial_file(out) as tmp:
+            run_checked([str(tools["quantize"]), str(f32), str(tmp), GGUF_TYPES[precision]])
     return out
+
+
+@contextlib.contextmanager
+def partial_file(path: Path):
+    """A temporary name beside `path`, renamed to it on success: an interrupted run leaves no
+    truncated file that a later run would take for a finished one."""
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        yield tmp
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def run_checked(cmd):
