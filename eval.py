@@ -61,8 +61,7 @@ class Scorer:
         self.device = model.tok_embeddings.weight.device
         # Scoring and prefill take varying lengths (dynamic shapes); decode is generate.py's compiled step.
         self.forward = torch.compile(model, dynamic=True) if compile else model
-        dtype = model.norm.weight.dtype  # the activations' (quantized layers keep their weights in buffers)
-        self.decode = compile_fns(self.device.type, False, dtype)[1] if compile else decode_one_token
+        self.decode = compile_fns(self.device.type, compile_prefill=False)[1] if compile else decode_one_token
 
     def _setup_caches(self, batch_size: int, length: int):
         self.model.setup_caches(max_batch_size=max(batch_size, self.model.max_batch_size),

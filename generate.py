@@ -210,13 +210,25 @@ def check_device(device: str) -> str:
     return device
 
 
-def compile_step(fn: Callable, device: str, dtype: torch.dtype) -> Callable:
-    """torch.compile a decode-sized step (a few tokens, static shapes) for `device`, `dtype` activations."""
+def compile_step(fn: Callable, device: str) -> Callable:
+    """torch.compile a decode-sized step fn(model, ...) (a few tokens, static shapes) for `device`."""
     if device.startswith("cuda"):
         return torch.compile(fn, mode="reduce-overhead", fullgraph=True)  # CUDA graphs: one launch per step
     compiled = torch.compile(fn, fullgraph=True)
     if device != "cpu":
         return compiled
+    steps = weakref.WeakKeyDictionary()  # model -> its compiled step, chosen at its first call
+
+    def step(model, *args, **kwargs):
+        f = steps.get(model)
+        if f is None:
+            f = steps[model] = frozen_step(fn, model) if freezable(model) else compiled
+        return f(model, *args, **kwargs)
+    return step
+
+
+def frozen_step(fn: Callable, model) -> Callable:
+    """fn compiled for the CPU with the model's weights frozen."""
     import torch._inductor.config as inductor_config
     # Freezing makes the weights compile-time constants, so inductor repacks them once for its
     # kernels: oneDNN's bf16 matrix-vector product streams them with every core, where eager
@@ -225,19 +237,11 @@ def compile_step(fn: Callable, device: str, dtype: torch.dtype) -> Callable:
     # with the weights in cache, picks that template although oneDNN is faster reading from memory.
     # The repacked copy stays beside the model's own weights (which eager prefill still reads).
     options = {"freezing": True, "autotune_num_choices_displayed": 0}
-    if dtype == torch.float32:
+    if model.norm.weight.dtype == torch.float32:  # the activations' dtype, also in quantized models
         options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
     # Dynamo reads the freezing flag while tracing, which happens inside calls (the first, and any
     # recompile): the settings hold during every call rather than globally.
-    frozen = inductor_config.patch(options)(torch.compile(fn, fullgraph=True))
-    choice = weakref.WeakKeyDictionary()  # model -> its compiled step, decided at its first call
-
-    def step(model, *args, **kwargs):
-        f = choice.get(model)
-        if f is None:
-            f = choice[model] = frozen if freezable(model) else compiled
-        return f(model, *args, **kwargs)
-    return step
+    return inductor_config.patch(options)(torch.compile(fn, fullgraph=True))
 
 
 def freezable(model) -> bool:
@@ -247,12 +251,12 @@ def freezable(model) -> bool:
         b.dtype in (torch.uint8, torch.int32) for b in model.buffers())
 
 
-def compile_fns(device: str, compile_prefill: bool, dtype: torch.dtype = torch.float32):
-    """Compiled decode (and optionally prefill) as local callables; dtype: the model's activations."""
+def compile_fns(device: str, compile_prefill: bool):
+    """Compiled decode (and optionally prefill) as local callables."""
     import torch._inductor.config as inductor_config
     inductor_config.coordinate_descent_tuning = device.startswith("cuda")
     inductor_config.fx_graph_cache = True  # warm runs skip most of the compile time
-    decode = compile_step(decode_one_token, device, dtype)
+    decode = compile_step(decode_one_token, device)
     pre = torch.compile(prefill, fullgraph=True, dynamic=True) if compile_prefill else prefill
     return pre, decode
 
@@ -342,7 +346,7 @@ def main(prompt: str, interactive: bool, chat: Optional[bool], num_samples: int,
     sampling = sampling_settings(Path(checkpoint_path).parent, temperature, top_k, top_p)
     if chat is None:  # like llama.cpp's CLI: a checkpoint with a chat template is chatted with
         chat = tokenizer.chat_template is not None and not prompt.isdigit()
-    prefill_fn, decode_fn = compile_fns(device, compile_prefill, dtype) if compile else (prefill, decode_one_token)
+    prefill_fn, decode_fn = compile_fns(device, compile_prefill) if compile else (prefill, decode_one_token)
     generate_fn = functools.partial(generate, prefill_fn=prefill_fn, decode_fn=decode_fn)
     accepted = None  # accepted draft tokens per verify step, when speculating
     if draft_checkpoint_path is not None or speculate_ngram is not None:
@@ -357,7 +361,7 @@ def main(prompt: str, interactive: bool, chat: Optional[bool], num_samples: int,
         generate_fn = functools.partial(
             speculative.speculative_generate, draft_model=draft, ngram=speculate_ngram, k=speculate_k,
             prefill_fn=prefill_fn, draft_fn=decode_fn, accepted=accepted,
-            verify_fn=speculative.compile_verify(device, dtype) if compile else speculative.verify)
+            verify_fn=speculative.compile_verify(device) if compile else speculative.verify)
 
     if interactive:
         return chat_loop(model, tokenizer, device, max_new_tokens, generate_fn, sampling)

@@ -136,9 +136,9 @@ def draft_k_tokens(draft_model: Transformer, token: Tensor, pos: int, k: int, dr
     return torch.cat(tokens), torch.cat(probs)
 
 
-def compile_verify(device: str, dtype: torch.dtype = torch.float32) -> Callable:
+def compile_verify(device: str) -> Callable:
     """The target's (k+1)-token verify forward, compiled like generate.compile_fns' decode step."""
-    return compile_step(verify, device, dtype)
+    return compile_step(verify, device)
 
 
 def load_draft(path: Path, target: Transformer, tokenizer, device, precision) -> Transformer:

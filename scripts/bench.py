@@ -243,7 +243,7 @@ def worker_brisk(spec: dict) -> dict:
     model = generate.load_model(spec["checkpoint"], device, precision)
     T, N = spec["prompt_tokens"], spec["new_tokens"]
     prompt = torch.tensor(synthetic_prompt(T, model.config.vocab_size), device=device)
-    fns = dict(zip(("prefill_fn", "decode_fn"), generate.compile_fns(device, False, precision))) \
+    fns = dict(zip(("prefill_fn", "decode_fn"), generate.compile_fns(device, compile_prefill=False))) \
         if spec["compile"] else {}
     # The cache size generate.py would use, set before the warm-up so the compiled decode fits both runs.
     model.setup_caches(max_batch_size=1, max_seq_length=T + N)

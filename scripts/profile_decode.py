@@ -23,9 +23,8 @@ def profile_decode(checkpoint_path: Path, precision: str, compile: bool, prompt_
     model = generate.load_model(checkpoint_path, device, generate.PRECISIONS[precision])
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, min(model.config.vocab_size, 1000), (prompt_tokens,), generator=g).to(device)
-    dtype = generate.PRECISIONS[precision]
-    prefill_fn, decode_fn = (generate.compile_fns(device, False, dtype) if compile
-                             else (generate.prefill, generate.decode_one_token))
+    prefill_fn, decode_fn = generate.compile_fns(device, False) if compile else (generate.prefill,
+                                                                                 generate.decode_one_token)
     model.setup_caches(max_batch_size=1, max_seq_length=prompt_tokens + new_tokens)
     generate.generate(model, prompt, 4, prefill_fn=prefill_fn, decode_fn=decode_fn)  # warm-up (and compile)
 

@@ -118,7 +118,7 @@ def test_compiled_cpu_step_freezes_and_matches_eager(converted, dtype):
     model = load_model(path, "cpu", dtype)
     model.setup_caches(max_batch_size=1, max_seq_length=16)
     prompt, pos = torch.tensor([[5, 9, 2, 7, 1]]), torch.tensor([5], dtype=torch.int)
-    step = compile_step(lambda m, x, p: m(x, p), "cpu", dtype)
+    step = compile_step(lambda m, x, p: m(x, p), "cpu")
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():
