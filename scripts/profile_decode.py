@@ -30,12 +30,13 @@ def profile_decode(checkpoint_path: Path, precision: str, compile: bool, prompt_
 
     # Profile decode steps only: prefill once outside the profiler, then the steps one by one.
     with torch.no_grad():
-        token = prefill_fn(model, prompt[None], torch.arange(prompt_tokens, device=device), temperature=0.0)
+        greedy = dict(temperature=0.0, top_k=None, top_p=None)  # generate()'s keywords: no recompile
+        token = prefill_fn(model, prompt[None], torch.arange(prompt_tokens, device=device), **greedy)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=shapes) as prof:
             t0 = time.perf_counter()
             for i in range(new_tokens):
                 pos = torch.tensor([prompt_tokens + i], device=device, dtype=torch.int)
-                token, _ = decode_fn(model, token.clone(), pos, temperature=0.0)
+                token, _ = decode_fn(model, token.clone(), pos, **greedy)
             generate.device_sync(device)
             step_ms = (time.perf_counter() - t0) * 1e3 / new_tokens
     if trace:
