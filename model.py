@@ -162,6 +162,7 @@ class Transformer(nn.Module):
         mask = k_pos[None, :] <= input_pos[:, None]  # (T, S)
         if self.config.sliding_window is not None:
             mask = mask & (k_pos[None, :] > input_pos[:, None] - self.config.sliding_window)
+        mask = mask.repeat(self.config.n_head // self.config.n_local_heads, 1)  # rows per query head of a group
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x, input_pos, rope, mask)
@@ -192,6 +193,7 @@ class Attention(nn.Module):
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Tensor) -> Tensor:
+        """mask: (n_head // n_local_heads * T, S), True where a query row may see a cache position."""
         B, T, _ = x.shape
         q_dim, kv_dim = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
@@ -201,9 +203,13 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv, S, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           enable_gqa=self.n_local_heads != self.n_head)  # (B, nh, T, hd)
-        return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
+        # GQA: the query heads that share a key/value head become rows of one attention over it.
+        # SDPA's own enable_gqa gives the same result but, in bf16 on the CPU, ran 5x slower at 1k
+        # tokens of context (the whole decode: 40 -> 72 tok/s on SmolLM2).
+        rep = self.n_head // self.n_local_heads
+        y = F.scaled_dot_product_attention(q.reshape(B, self.n_local_heads, rep * T, self.head_dim), k, v,
+                                           attn_mask=mask)  # (B, n_kv, rep * T, hd)
+        return self.wo(y.view(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, q_dim))
 
 
 class FeedForward(nn.Module):
