@@ -67,7 +67,7 @@ def sample(logits: Tensor, temperature: float = 0.0, top_k: Optional[int] = None
 
 def prefill(model: Transformer, x: Tensor, input_pos: Tensor, **sampling) -> Tensor:
     """x: [B, T] at positions input_pos [T] -> first generated token [B, 1]."""
-    logits = model(x, input_pos)
+    logits = model(x, input_pos, last_only=True)
     return sample(logits[:, -1], **sampling)[0]
 
 

@@ -152,8 +152,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos_sin", precompute_rope(max_seq_length, c.head_dim, c.rope_base,
                                                              c.rope_scaling).to(device), persistent=False)
 
-    def forward(self, idx: Tensor, input_pos: Tensor) -> Tensor:
-        """idx: [B, T] token ids at positions input_pos [T]; returns logits [B, T, vocab]."""
+    def forward(self, idx: Tensor, input_pos: Tensor, last_only: bool = False) -> Tensor:
+        """idx: [B, T] token ids at positions input_pos [T]; returns logits [B, T, vocab], or [B, 1, vocab]
+        for the last position only with last_only (a prompt's prefill: the output projection is
+        about a fifth of a small model's prefill work)."""
         if self.max_seq_length < 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before the forward pass")
         rope = self.rope_cos_sin[input_pos]  # (T, head_dim, 2)
@@ -166,7 +168,7 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x, input_pos, rope, mask)
-        return self.output(self.norm(x))
+        return self.output(self.norm(x[:, -1:] if last_only else x))
 
 
 class TransformerBlock(nn.Module):

@@ -21,7 +21,9 @@ def test_logits_match_transformers(family, converted):
     with torch.no_grad():
         expected = hf(ids).logits
         got = our_logits(model, ids)
+        last = model(ids, torch.arange(ids.shape[1]), last_only=True)  # what prefill asks for
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(last, expected[:, -1:], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
