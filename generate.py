@@ -110,7 +110,11 @@ def generate(model: Transformer, prompt: Tensor, max_new_tokens: int, *, batch_s
         if n == max_new_tokens or bool(finished.all()):
             break
         input_pos = torch.tensor([T + n - 1], device=device, dtype=torch.int)
-        token, _ = decode_fn(model, token.clone(), input_pos, **sampling)
+        # From the second step on, the model, its caches and the inputs' shapes are those the first
+        # step's guards checked: a compiled step need only tell apart the graphs it holds.
+        # Checking all of its ~3000 guards cost 0.7 ms a token on a CPU (15% of int4 decode).
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=n > 1):
+            token, _ = decode_fn(model, token.clone(), input_pos, **sampling)
     return seq[:, :T + n]
 
 

@@ -109,6 +109,22 @@ def test_compiled_decode_equals_eager(converted):
 
 
 @pytest.mark.slow
+def test_compiled_decode_follows_cache_and_batch_changes(converted):
+    """generate() skips the compiled step's guards after its first step; a new call that grows
+    the cache or changes the batch must still recompile and decode as eagerly."""
+    from generate import compile_fns
+    _, path = converted("llama31")
+    model = load_model(path)
+    _, decode_fn = compile_fns("cpu", compile_prefill=False)
+    torch._dynamo.reset()
+    for new_tokens, batch_size, prompt_len in [(6, 1, 4), (30, 1, 4), (8, 2, 4), (6, 1, 9), (6, 1, 4)]:
+        prompt = torch.arange(5, 5 + prompt_len)
+        eager = generate(model, prompt, new_tokens, batch_size=batch_size)
+        compiled = generate(model, prompt, new_tokens, batch_size=batch_size, decode_fn=decode_fn)
+        assert compiled.tolist() == eager.tolist(), (new_tokens, batch_size, prompt_len)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_cpu_step_freezes_and_matches_eager(converted, dtype):
     """The CPU decode step really compiles with freezing (weights repacked for oneDNN / the C++ GEMM
