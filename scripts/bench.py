@@ -502,6 +502,7 @@ def run_benchmark(args) -> dict:
     return dict(
         schema=1, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         machine=dict(cpu=cpu_name(), cores=os.cpu_count(), threads=args.threads, device=args.device,
+                     cpu_capability=torch.backends.cpu.get_cpu_capability(),  # the vector ISA torch's kernels use
                      torch=torch.__version__, transformers=transformers.__version__, llama_cpp=build),
         settings=dict(rounds=args.rounds, short_prompt=SHORT_PROMPT, long_prompt=args.long_prompt,
                       long_new_tokens=args.long_new_tokens, int4_groupsize=INT4_GROUPSIZE,
