@@ -237,13 +237,18 @@ def frozen_step(fn: Callable, model) -> Callable:
     # Freezing makes the weights compile-time constants, so inductor repacks them once for its
     # kernels: oneDNN's bf16 matrix-vector product streams them with every core, where eager
     # PyTorch's runs on one. fp32 needs max-autotune too: oneDNN's fp32 one is single-threaded and
-    # inductor's C++ GEMM template is 2x faster. In bf16 the autotuner, which times the candidates
-    # with the weights in cache, picks that template although oneDNN is faster reading from memory.
+    # inductor's C++ GEMM template is 2x faster; it also has int8 and int4 weight-only variants.
+    # The autotuner times the candidates with the weights in cache, which misleads it: in bf16 it
+    # picks the template although oneDNN is faster reading from memory (autotuning stays off), and
+    # for int8 layers ATen's kernel (30 GB/s on the 1B model, where the template reads 40), so
+    # int8 models get the template alone (elsewhere ATen stays: some int4 shapes have no template).
     # The repacked copy stays beside the model's own weights (which eager prefill still reads).
     options = {"freezing": True, "autotune_num_choices_displayed": 0}
     # norm.weight has the activations' dtype, also in quantized models.
     if model.norm.weight.dtype == torch.float32 and not has_int4_experts(model):
-        options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+        int8 = any(b.dtype == torch.int8 for b in model.buffers()) and not any(
+            b.dtype == torch.uint8 for b in model.buffers())  # int8 weights, no packed int4 ones
+        options.update(max_autotune=True, max_autotune_gemm_backends="CPP" if int8 else "CPP,ATEN")
     # Dynamo reads the freezing flag while tracing, which happens inside calls (the first, and any
     # recompile): the settings hold during every call rather than globally.
     return inductor_config.patch(options)(torch.compile(fn, fullgraph=True))
