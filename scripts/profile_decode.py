@@ -36,7 +36,8 @@ def profile_decode(checkpoint_path: Path, precision: str, compile: bool, prompt_
             t0 = time.perf_counter()
             for i in range(new_tokens):
                 pos = torch.tensor([prompt_tokens + i], device=device, dtype=torch.int)
-                token, _ = decode_fn(model, token.clone(), pos, **greedy)
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=i > 0):  # as generate() does
+                    token, _ = decode_fn(model, token.clone(), pos, **greedy)
             generate.device_sync(device)
             step_ms = (time.perf_counter() - t0) * 1e3 / new_tokens
     if trace:
@@ -66,9 +67,15 @@ def main():
     p.add_argument("--top", type=int, default=20, help="operators shown")
     p.add_argument("--shapes", action="store_true", help="one row per operator and input shapes")
     p.add_argument("--trace", type=Path, default=None, help="also write a Chrome trace here")
+    p.add_argument("--kernels", action="store_true",
+                   help="with --compile on a CPU: time each kernel inductor generates (its matrix products too) "
+                        "instead of one opaque row for the compiled graph")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kernels:
+        import torch._inductor.config as inductor_config
+        inductor_config.cpp.enable_kernel_profile = True
     try:
         print(profile_decode(args.checkpoint_path, args.precision, args.compile, args.prompt_tokens, args.new_tokens,
                              args.device, args.top, args.shapes, args.trace))
