@@ -236,29 +236,38 @@ def frozen_step(fn: Callable, model) -> Callable:
     import torch._inductor.config as inductor_config
     # Freezing makes the weights compile-time constants, so inductor repacks them once for its
     # kernels: oneDNN's bf16 matrix-vector product streams them with every core, where eager
-    # PyTorch's runs on one. fp32 needs max-autotune too: oneDNN's fp32 one is single-threaded and
-    # inductor's C++ GEMM template is 2x faster; it also has int8 and int4 weight-only variants.
-    # The autotuner times the candidates with the weights in cache, which misleads it: in bf16 it
-    # picks the template although oneDNN is faster reading from memory (autotuning stays off), and
-    # for int8 layers ATen's kernel (30 GB/s on the 1B model, where the template reads 40), so
-    # int8 models get the template alone (elsewhere ATen stays: some int4 shapes have no template).
-    # The repacked copy stays beside the model's own weights (which eager prefill still reads).
+    # PyTorch's runs on one. The repacked copy stays beside the model's own weights (which eager
+    # prefill still reads).
     options = {"freezing": True, "autotune_num_choices_displayed": 0}
-    # norm.weight has the activations' dtype, also in quantized models.
-    if model.norm.weight.dtype == torch.float32 and not has_int4_experts(model):
-        int8 = any(b.dtype == torch.int8 for b in model.buffers()) and not any(
-            b.dtype == torch.uint8 for b in model.buffers())  # int8 weights, no packed int4 ones
-        options.update(max_autotune=True, max_autotune_gemm_backends="CPP" if int8 else "CPP,ATEN")
+    backends = autotune_backends(model)
+    if backends:
+        options.update(max_autotune=True, max_autotune_gemm_backends=backends)
     # Dynamo reads the freezing flag while tracing, which happens inside calls (the first, and any
     # recompile): the settings hold during every call rather than globally.
     return inductor_config.patch(options)(torch.compile(fn, fullgraph=True))
 
 
-def has_int4_experts(model) -> bool:
+def autotune_backends(model) -> Optional[str]:
+    """The GEMM candidates max-autotune chooses from for a frozen CPU step; None: no autotuning."""
+    import quantize
+    # fp32 needs max-autotune: oneDNN's fp32 matrix-vector product is single-threaded and
+    # inductor's C++ GEMM template ("CPP") is 2x faster; it also has int8 and int4 weight-only
+    # variants. The autotuner times the candidates with the weights in cache, which misleads it.
+    # In bf16 it picks the template although oneDNN is faster reading from memory: no autotuning.
+    if model.norm.weight.dtype != torch.float32:  # norm.weight has the activations' dtype
+        return None
+    modules = list(model.modules())
+    expert_bits = {m.bits for m in modules if isinstance(m, quantize.QuantizedMoEFeedForward)}
     # Frozen and autotuned, inductor's int4 template computed wrong logits for int4 experts (each a
     # slice of one stacked tensor) in torch 2.13; freezing alone is right, as are int4 linears.
-    import quantize
-    return any(isinstance(m, quantize.QuantizedMoEFeedForward) and m.bits == 4 for m in model.modules())
+    if 4 in expert_bits:
+        return None
+    # For int8 layers it picks ATen's kernel (30 GB/s on the 1B model, where the template reads
+    # 40): int8 models get the template alone. Elsewhere ATen stays, as some int4 shapes have no
+    # template and inductor then has no candidate left.
+    int8 = 8 in expert_bits or any(isinstance(m, quantize.Int8Linear) for m in modules)
+    int4 = any(isinstance(m, quantize.Int4Linear) for m in modules)
+    return "CPP" if int8 and not int4 else "CPP,ATEN"
 
 
 def freezable(model) -> bool:
