@@ -211,7 +211,8 @@ class Attention(nn.Module):
         rep = self.n_head // self.n_local_heads
         y = F.scaled_dot_product_attention(q.reshape(B, self.n_local_heads, rep * T, self.head_dim), k, v,
                                            attn_mask=mask)  # (B, n_kv, rep * T, hd)
-        return self.wo(y.view(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, q_dim))
+        # reshape, not view: CUDA's attention kernels return y in another memory layout.
+        return self.wo(y.reshape(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, q_dim))
 
 
 class FeedForward(nn.Module):
@@ -261,7 +262,8 @@ class MoEFeedForward(nn.Module):
             out = torch.zeros_like(x)
             for e in range(E):
                 token, slot = torch.where(experts == e)
-                out.index_add_(0, token, weights[token, slot, None] * self.expert(x[token], e))
+                if len(token):  # CUDA's int4 kernel refuses an empty batch
+                    out.index_add_(0, token, weights[token, slot, None] * self.expert(x[token], e))
             return out.reshape(shape)
         if x.shape[0] * self.top_k <= E:
             # Compiled decode: only the selected experts' weights are read.
