@@ -258,7 +258,8 @@ def worker_brisk(spec: dict) -> dict:
     if getattr(model.output, "weight", None) is not embedding.weight:  # untied, or quantized (int8 table)
         nbytes -= tensor_bytes(list(embedding.parameters()) + list(embedding.buffers()))
     return dict(timer.summary(T), bytes_per_token=nbytes, tokens=out[0, T:T + 32].tolist(),
-                compile_s=warmup_s if spec["compile"] else None, activations=str(precision).removeprefix("torch."))
+                compile_s=warmup_s if spec["compile"] else None, activations=str(precision).removeprefix("torch."),
+                **device_memory(device))
 
 
 def worker_transformers(spec: dict) -> dict:
@@ -291,20 +292,30 @@ def worker_transformers(spec: dict) -> dict:
     if embedding is not model.get_output_embeddings().weight:
         nbytes -= tensor_bytes([embedding])
     return dict(timer.summary(T), bytes_per_token=nbytes, tokens=out[0, T:T + 32].tolist(),
-                compile_s=warmup_s if spec["compile"] else None)
+                compile_s=warmup_s if spec["compile"] else None, **device_memory(device))
 
 
 def worker_roofline(spec: dict) -> dict:
-    """Streaming read bandwidth: sum over a tensor far larger than the caches, best of 10."""
+    """Streaming read bandwidth of the device: sum over a tensor far larger than the caches, best of 10."""
     import torch
-    x = torch.ones(spec["roofline_bytes"] // 4, dtype=torch.float32)
+    import generate
+    device = spec["device"]
+    x = torch.ones(spec["roofline_bytes"] // 4, dtype=torch.float32, device=device)
     x.sum()
     best = float("inf")
     for _ in range(10):
+        generate.device_sync(device)
         t0 = time.perf_counter()
         x.sum()
+        generate.device_sync(device)
         best = min(best, time.perf_counter() - t0)
     return dict(bandwidth_gbps=x.numel() * 4 / best / 1e9)
+
+
+def device_memory(device: str) -> dict:
+    """The worker's peak GPU memory (reserved by PyTorch's allocator, as generate.py reports it)."""
+    import torch
+    return dict(peak_gpu_mb=torch.cuda.max_memory_reserved(device) / 1e6) if device.startswith("cuda") else {}
 
 
 WORKERS = {"brisk": worker_brisk, "transformers": worker_transformers, "roofline": worker_roofline}
@@ -405,7 +416,7 @@ def skip_reason(case: Case, m: Model, tools, has_quantize: bool) -> Optional[str
         return "quantize.py is not in this checkout yet"
     if case.system.startswith("transformers"):
         if quantized:
-            return "transformers has no built-in CPU int8/int4 weight-only path"
+            return "transformers has no built-in int8/int4 weight-only path (it needs bitsandbytes or torchao)"
         if m.hf_dir is None:
             return f"no HF weights in {m.checkpoint.parent}/hf"
     if case.system == "llama.cpp" and tools is not None and m.hf_dir is None:
@@ -465,6 +476,7 @@ def summarize(case: Case, rounds: list, bandwidth: float) -> dict:
     compile_s = [r["compile_s"] for r in ok if r.get("compile_s") is not None]
     return dict(out, decode_tok_s=decode, prefill_tok_s=max(r["prefill_tok_s"] for r in ok),
                 ttft_s=min(r["ttft_s"] for r in ok), peak_rss_mb=max(r["peak_rss_mb"] or 0 for r in ok) or None,
+                peak_gpu_mb=max(r.get("peak_gpu_mb") or 0 for r in ok) or None,
                 bytes_per_token=nbytes, bandwidth_gbps=nbytes * decode / 1e9,
                 roofline_fraction=nbytes * decode / 1e9 / bandwidth,
                 compile_s=min(compile_s) if compile_s else None, compile_s_max=max(compile_s) if compile_s else None)
@@ -480,7 +492,7 @@ def run_benchmark(args) -> dict:
     rounds = {c.key: [] for c in cases}
     roofline = []
     for r in range(args.rounds):
-        roofline.append(run_worker(dict(kind="roofline", threads=args.threads,
+        roofline.append(run_worker(dict(kind="roofline", threads=args.threads, device=args.device,
                                         roofline_bytes=args.roofline_mb * 2**20))["bandwidth_gbps"])
         log(f"[round {r + 1}/{args.rounds}] roofline {roofline[-1]:.1f} GB/s")
         # Rotate the order each round so that no case always follows the same neighbour.
@@ -502,6 +514,7 @@ def run_benchmark(args) -> dict:
     return dict(
         schema=1, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         machine=dict(cpu=cpu_name(), cores=os.cpu_count(), threads=args.threads, device=args.device,
+                     gpu=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
                      cpu_capability=torch.backends.cpu.get_cpu_capability(),  # the vector ISA torch's kernels use
                      torch=torch.__version__, transformers=transformers.__version__, llama_cpp=build),
         settings=dict(rounds=args.rounds, short_prompt=SHORT_PROMPT, long_prompt=args.long_prompt,
@@ -534,10 +547,13 @@ def peer_of(results: list, r: dict, system: str) -> Optional[dict]:
 
 def format_table(report: dict) -> str:
     results = report["results"]
-    lines = [f"roofline (streaming read, {report['machine']['threads']} threads): "
+    gpu = report["machine"].get("gpu")
+    where = gpu or f"{report['machine']['threads']} threads"
+    lines = [f"roofline (streaming read, {where}): "
              f"{report['roofline_gbps']:.1f} GB/s; best of {report['settings']['rounds']} round(s)"]
+    memory = "peak_gpu_mb" if gpu else "peak_rss_mb"  # the memory that bounds the model size there
     header = (f"{'model':<10} {'prompt':<6} {'system':<21} {'prec':<5} {'decode':>7} {'prefill':>8} {'TTFT':>6} "
-              f"{'RSS':>6} {'GB/s':>5} {'roof':>5} {'compile':>7}  brisk / peer (decode)")
+              f"{'GPU' if gpu else 'RSS':>6} {'GB/s':>5} {'roof':>5} {'compile':>7}  brisk / peer (decode)")
     lines += [header, f"{'':<51}{'tok/s':>7} {'tok/s':>8} {'s':>6} {'MB':>6}"]
     for r in results:
         head = f"{r['model']:<10} {r['prompt']:<6} {r['system']:<21} {r['precision']:<5}"
@@ -552,7 +568,7 @@ def format_table(report: dict) -> str:
                     ratios.append(f"{r['decode_tok_s'] / p['decode_tok_s']:.2f}x {peer}")
         compile_s = f"{r['compile_s']:.0f} s" if r["compile_s"] is not None else ""
         lines.append(f"{head} {r['decode_tok_s']:>7.1f} {r['prefill_tok_s']:>8.1f} {r['ttft_s']:>6.2f} "
-                     f"{r['peak_rss_mb'] or 0:>6.0f} {r['bandwidth_gbps']:>5.1f} {r['roofline_fraction']:>5.0%} "
+                     f"{r.get(memory) or 0:>6.0f} {r['bandwidth_gbps']:>5.1f} {r['roofline_fraction']:>5.0%} "
                      f"{compile_s:>7}  {', '.join(ratios)}")
     lines += agreement_lines(results)
     return "\n".join(lines)
@@ -608,7 +624,8 @@ def plot(report: dict, path: Path):
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend(fontsize="small", loc="upper left")
     m = report["machine"]
-    fig.suptitle(f"{m['cpu']}, {m['threads']} threads, torch {m['torch']}", fontsize="small")
+    where = m.get("gpu") or f"{m['cpu']}, {m['threads']} threads"
+    fig.suptitle(f"{where}, torch {m['torch']}", fontsize="small")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
