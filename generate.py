@@ -65,9 +65,9 @@ def sample(logits: Tensor, temperature: float = 0.0, top_k: Optional[int] = None
     return torch.argmax(probs / q, dim=-1, keepdim=True), probs
 
 
-def prefill(model: Transformer, x: Tensor, input_pos: Tensor, **sampling) -> Tensor:
-    """x: [B, T] at positions input_pos [T] -> first generated token [B, 1]."""
-    logits = model(x, input_pos, last_only=True)
+def prefill(model: Transformer, x: Tensor, **sampling) -> Tensor:
+    """x: [B, T], the sequences' first T tokens -> first generated token [B, 1]."""
+    logits = model(x, torch.arange(x.shape[1], device=x.device), last_only=True, from_start=True)
     return sample(logits[:, -1], **sampling)[0]
 
 
@@ -99,7 +99,7 @@ def generate(model: Transformer, prompt: Tensor, max_new_tokens: int, *, batch_s
 
     seq = torch.empty(B, total, dtype=torch.long, device=device)
     seq[:, :T] = prompt
-    token = prefill_fn(model, prompt, torch.arange(T, device=device), **sampling)
+    token = prefill_fn(model, prompt, **sampling)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     n = 0
     for n in range(1, max_new_tokens + 1):

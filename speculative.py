@@ -90,10 +90,10 @@ def speculative_generate(model: Transformer, prompt: Tensor, max_new_tokens: int
                          f"({k}) - 1 exceeds the model's context of {model.config.block_size} tokens; shorten one")
     device, sampling, eos = prompt.device, dict(temperature=temperature, top_k=top_k, top_p=top_p), set(eos_ids)
     model.setup_caches(max_batch_size=1, max_seq_length=max_seq_length)
-    token = prefill_fn(model, prompt, torch.arange(T, device=device), **sampling)
+    token = prefill_fn(model, prompt, **sampling)
     if draft_model is not None:
         draft_model.setup_caches(max_batch_size=1, max_seq_length=max_seq_length)
-        prefill_fn(draft_model, prompt, torch.arange(T, device=device), **sampling)
+        prefill_fn(draft_model, prompt, **sampling)
 
     seq = torch.empty(T + max_new_tokens, dtype=torch.long, device=device)
     seq[:T] = prompt[0]

@@ -31,7 +31,7 @@ def profile_decode(checkpoint_path: Path, precision: str, compile: bool, prompt_
     # Profile decode steps only: prefill once outside the profiler, then the steps one by one.
     with torch.no_grad():
         greedy = dict(temperature=0.0, top_k=None, top_p=None)  # generate()'s keywords: no recompile
-        token = prefill_fn(model, prompt[None], torch.arange(prompt_tokens, device=device), **greedy)
+        token = prefill_fn(model, prompt[None], **greedy)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=shapes) as prof:
             t0 = time.perf_counter()
             for i in range(new_tokens):

@@ -21,8 +21,14 @@ def test_logits_match_transformers(family, converted):
     with torch.no_grad():
         expected = hf(ids).logits
         got = our_logits(model, ids)
-        last = model(ids, torch.arange(ids.shape[1]), last_only=True)  # what prefill asks for
+        # What prefill asks for: causal attention within the prompt instead of a mask over the cache
+        # (for Mistral only up to its 16-token window), and the last position's logits.
+        short = hf(ids[:, :12]).logits
+        from_start = [model(x, torch.arange(x.shape[1]), from_start=True) for x in (ids, ids[:, :12])]
+        last = model(ids, torch.arange(ids.shape[1]), last_only=True, from_start=True)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(from_start[0], expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(from_start[1], short, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(last, expected[:, -1:], atol=1e-4, rtol=1e-4)
 
 
@@ -66,7 +72,7 @@ def test_cached_decode_equals_full_forward(converted):
     with torch.no_grad():
         full = our_logits(model, ids)
         model.setup_caches(2, 24)
-        steps = [model(ids[:, :10], torch.arange(10))]
+        steps = [model(ids[:, :10], torch.arange(10), from_start=True)]  # fills the cache as prefill does
         for t in range(10, 24):
             steps.append(model(ids[:, t:t + 1], torch.tensor([t])))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
@@ -100,12 +106,15 @@ def test_compiled_decode_equals_eager(converted):
     model = load_model(path)
     prompt = torch.tensor([9, 8, 7, 6])
     eager = generate(model, prompt, 12, temperature=0.0)
-    prefill_fn, decode_fn = compile_fns("cpu", compile_prefill=False)
+    prefill_fn, decode_fn = compile_fns("cpu", compile_prefill=True)
     torch._dynamo.reset()
     # fullgraph=True fails on a graph break; a recompile per token (e.g. on input_pos) fails here.
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = generate(model, prompt, 12, temperature=0.0, decode_fn=decode_fn)
+        compiled = generate(model, prompt, 12, temperature=0.0, prefill_fn=prefill_fn, decode_fn=decode_fn)
     assert compiled.tolist() == eager.tolist()
+    # --compile_prefill compiles prefill for any prompt length (dynamic shapes).
+    longer = torch.arange(3, 20)
+    assert generate(model, longer, 4, prefill_fn=prefill_fn).tolist() == generate(model, longer, 4).tolist()
 
 
 @pytest.mark.slow
