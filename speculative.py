@@ -107,19 +107,22 @@ def speculative_generate(model: Transformer, prompt: Tensor, max_new_tokens: int
             if t in eos or n == max_new_tokens:
                 return seq[None, :T + n]
         pos = T + n - 1  # position of the last token, seq[pos]
-        if draft_model is not None:
-            draft, q = draft_k_tokens(draft_model, seq[pos:pos + 1], pos, k, draft_fn, sampling)
-        else:
-            draft = ngram_draft(seq[:pos + 1], ngram, k)
-            q = F.one_hot(draft, model.config.vocab_size).float()  # a deterministic proposal: point masses
-        input_pos = torch.arange(pos, pos + k + 1, device=device, dtype=torch.int)
-        p = verify_fn(model, torch.cat([seq[pos:pos + 1], draft])[None], input_pos, **sampling)
-        a, next_token = accept_draft(draft[None], q[None], p)
-        a = int(a)
+        # As in generate(): after the first round the compiled steps see the shapes and models
+        # their guards already checked, so only the guards that tell their graphs apart run.
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=pos > T):
+            if draft_model is not None:
+                draft, q = draft_k_tokens(draft_model, seq[pos:pos + 1], pos, k, draft_fn, sampling)
+            else:
+                draft = ngram_draft(seq[:pos + 1], ngram, k)
+                q = F.one_hot(draft, model.config.vocab_size).float()  # a deterministic proposal: point masses
+            input_pos = torch.arange(pos, pos + k + 1, device=device, dtype=torch.int)
+            p = verify_fn(model, torch.cat([seq[pos:pos + 1], draft])[None], input_pos, **sampling)
+            a, next_token = accept_draft(draft[None], q[None], p)
+            a = int(a)
+            if draft_model is not None and a == k:  # the draft never saw its own last token: cache it now
+                draft_fn(draft_model, draft[None, -1:].clone(), input_pos[-1:].clone(), **sampling)
         if accepted is not None:
             accepted.append(a)
-        if draft_model is not None and a == k:  # the draft never saw its own last token: cache it now
-            draft_fn(draft_model, draft[None, -1:].clone(), input_pos[-1:].clone(), **sampling)
         new = torch.cat([draft[:a], next_token])
 
 
