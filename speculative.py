@@ -120,7 +120,9 @@ def speculative_generate(model: Transformer, prompt: Tensor, max_new_tokens: int
             a, next_token = accept_draft(draft[None], q[None], p)
             a = int(a)
             if draft_model is not None and a == k:  # the draft never saw its own last token: cache it now
-                draft_fn(draft_model, draft[None, -1:].clone(), input_pos[-1:].clone(), **sampling)
+                # Strides (1, 1) like the drafting steps' tokens: draft[None, -1:] has (k, 1), which
+                # made Dynamo compile a second graph (or raise, with the guards skipped).
+                draft_fn(draft_model, draft[-1:].view(1, 1), input_pos[-1:].clone(), **sampling)
         if accepted is not None:
             accepted.append(a)
         new = torch.cat([draft[:a], next_token])

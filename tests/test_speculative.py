@@ -188,12 +188,15 @@ def test_compiled_equals_eager(models):
     from generate import compile_fns
     from speculative import compile_verify
     plain = generate(models["target"], PROMPT, 20)[0].tolist()
-    torch._dynamo.reset()
-    _, decode_fn = compile_fns("cpu", compile_prefill=False)
-    verify_fn = compile_verify("cpu")
-    for drafter in ["other", "ngram"]:
-        spec, _ = speculate(models, drafter, 3, 20, verify_fn=verify_fn, draft_fn=decode_fn)
-        assert spec == plain
+    for drafter in ["other", "ngram", "self"]:  # "self" accepts every draft: its extra draft step runs too
+        torch._dynamo.reset()
+        _, decode_fn = compile_fns("cpu", compile_prefill=False)
+        verify_fn = compile_verify("cpu")
+        # One graph per compiled step: a second one would be compiled mid-generation, and with the
+        # guards skipped after the first round it raises.
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            spec, _ = speculate(models, drafter, 3, 20, verify_fn=verify_fn, draft_fn=decode_fn)
+        assert spec == plain, drafter
 
 
 @pytest.mark.slow
