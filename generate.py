@@ -108,7 +108,7 @@ def generate(model: Transformer, prompt: Tensor, max_new_tokens: int, *, batch_s
             callback(token[:, 0])
         finished |= torch.isin(token[:, 0], eos)
         # Reading `finished` waits for the step to finish (on a GPU, the CPU stops queueing ahead).
-        if n == max_new_tokens or (len(eos_ids) > 0 and bool(finished.all())):
+        if n == max_new_tokens or (eos.numel() > 0 and bool(finished.all())):
             break
         input_pos = torch.tensor([T + n - 1], device=device, dtype=torch.int)
         # From the second step on, the model, its caches and the inputs' shapes are those the first
