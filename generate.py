@@ -239,48 +239,37 @@ def frozen_step(fn: Callable, model) -> Callable:
     # kernels: oneDNN's bf16 matrix-vector product streams them with every core, where eager
     # PyTorch's runs on one. The repacked copy stays beside the model's own weights (which eager
     # prefill still reads).
-    options = {"freezing": True, "autotune_num_choices_displayed": 0}
-    backends = autotune_backends(model)
-    if backends:
-        options.update(max_autotune=True, max_autotune_gemm_backends=backends)
-    elif onednn_products(model):
-        # oneDNN's products are ops that inductor's Python wrapper dispatches one by one (151 on
-        # SmolLM2: 1.2 ms of a 10 ms bf16 step); its C++ wrapper calls them directly: +7-11%.
-        # Around inductor's own GEMM kernels (fp32, int8, int4) it measured slower and stays off.
-        options["cpp_wrapper"] = True
+    options = dict(freezing=True, autotune_num_choices_displayed=0, **kernel_options(model))
     # Dynamo reads the freezing flag while tracing, which happens inside calls (the first, and any
     # recompile): the settings hold during every call rather than globally.
     return inductor_config.patch(options)(torch.compile(fn, fullgraph=True))
 
 
-def autotune_backends(model) -> Optional[str]:
-    """The GEMM candidates max-autotune chooses from for a frozen CPU step; None: no autotuning."""
+def kernel_options(model) -> dict:
+    """Inductor's options for the products of a frozen CPU step, read from the model's module types."""
     import quantize
+    modules = list(model.modules())
+    if model.norm.weight.dtype != torch.float32:  # norm.weight has the activations' dtype
+        # bf16: oneDNN's products, without autotuning (timing the candidates with the weights in
+        # cache, it picks inductor's template although oneDNN is faster reading from memory).
+        # oneDNN's products are ops that the Python wrapper dispatches one by one (151 on SmolLM2:
+        # 1.2 ms of a 10 ms step); the C++ wrapper calls them directly: +7-11%. Around inductor's
+        # own GEMM kernels (int8, int4, fp32 below) it measured slower and stays off.
+        return {} if any(isinstance(m, quantize.QUANTIZED) for m in modules) else dict(cpp_wrapper=True)
     # fp32 needs max-autotune: oneDNN's fp32 matrix-vector product is single-threaded and
     # inductor's C++ GEMM template ("CPP") is 2x faster; it also has int8 and int4 weight-only
-    # variants. The autotuner times the candidates with the weights in cache, which misleads it.
-    # In bf16 it picks the template although oneDNN is faster reading from memory: no autotuning.
-    if model.norm.weight.dtype != torch.float32:  # norm.weight has the activations' dtype
-        return None
-    modules = list(model.modules())
+    # variants.
     expert_bits = {m.bits for m in modules if isinstance(m, quantize.QuantizedMoEFeedForward)}
     # Frozen and autotuned, inductor's int4 template computed wrong logits for int4 experts (each a
     # slice of one stacked tensor) in torch 2.13; freezing alone is right, as are int4 linears.
     if 4 in expert_bits:
-        return None
+        return {}
     # For int8 layers it picks ATen's kernel (30 GB/s on the 1B model, where the template reads
     # 40): int8 models get the template alone. Elsewhere ATen stays, as some int4 shapes have no
     # template and inductor then has no candidate left.
     int8 = 8 in expert_bits or any(isinstance(m, quantize.Int8Linear) for m in modules)
     int4 = any(isinstance(m, quantize.Int4Linear) for m in modules)
-    return "CPP" if int8 and not int4 else "CPP,ATEN"
-
-
-def onednn_products(model) -> bool:
-    """Frozen, are the model's products oneDNN's (bf16 / fp16 activations, no quantized layers)?"""
-    import quantize
-    return model.norm.weight.dtype != torch.float32 and not any(isinstance(m, quantize.QUANTIZED)
-                                                                 for m in model.modules())
+    return dict(max_autotune=True, max_autotune_gemm_backends="CPP" if int8 and not int4 else "CPP,ATEN")
 
 
 def freezable(model) -> bool:
