@@ -10,9 +10,9 @@ from torch._dynamo.utils import counters
 
 import quantize
 from conftest import make_hf_model, save_and_convert
-from generate import compile_fns, compile_step, generate, load_model
+from generate import compile_fns, generate, load_model
 from speculative import compile_verify, speculative_generate
-from test_quantize import MODELS, dequantized_model, rel_error, save_random_model
+from test_quantize import MODELS, dequantized_model, rel_error, save_random_model, step_logits
 
 DEVICE = os.environ.get("BRISK_TEST_DEVICE", "cuda")
 AVAILABLE = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available, "cpu": lambda: True}
@@ -80,17 +80,7 @@ def test_quantized_step_matches_dequantized_weights(tmp_path, model_kind, mode, 
     model, reference = load_model(quantized, DEVICE, torch.bfloat16), dequantized_model(path, quantized)
     if mode == "int4" and DEVICE.startswith("cuda"):
         assert {m.kernel for m in model.modules() if isinstance(m, quantize.Int4Linear)} == {"cuda"}
-    step = compile_step(lambda m, x, p: m(x, p), DEVICE)
-    prompt = torch.tensor([[3, 1, 4, 1, 5]])
-    got = {}
-    with torch.no_grad():
-        for name, m, run, device in (("eager", model, model, DEVICE),
-                                     ("compiled", model, lambda x, p: step(model, x, p), DEVICE),
-                                     ("reference", reference, reference, "cpu")):
-            m.setup_caches(max_batch_size=1, max_seq_length=16)
-            m(prompt.to(device), torch.arange(5, device=device))
-            pos = torch.tensor([5], dtype=torch.int, device=device)
-            got[name] = run(torch.tensor([[9]], device=device), pos)[0, -1].float().cpu()
+    got = step_logits(model, reference, DEVICE)
     for name in ("eager", "compiled"):
         assert rel_error(got[name], got["reference"]) < 0.03, name  # bf16 activations: ~1% of the scale
 

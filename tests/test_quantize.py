@@ -381,24 +381,32 @@ def test_compiled_int4_step_matches_dequantized_weights(tmp_path, model_kind):
     template) equals the model with its int4 weights dequantized to fp32, as eager int4 does."""
     import torch._dynamo
     from torch._dynamo.utils import counters
-    from generate import compile_step
     path = save_random_model(tmp_path, **MODELS[model_kind])
     quantized = quantize.quantize_checkpoint(path, "int4", 32)
     model, reference = load_model(quantized), dequantized_model(path, quantized)
     torch._dynamo.reset()
     counters.clear()
-    step = compile_step(lambda m, x, p: m(x, p), "cpu")
-    prompt, pos = torch.tensor([[3, 1, 4, 1, 5]]), torch.tensor([5], dtype=torch.int)
-    got = {}
-    with torch.no_grad():
-        for name, m, run in (("eager", model, model), ("compiled", model, lambda x, p: step(model, x, p)),
-                             ("reference", reference, reference)):
-            m.setup_caches(max_batch_size=1, max_seq_length=16)
-            m(prompt, torch.arange(5))
-            got[name] = run(torch.tensor([[9]]), pos)[0, -1]
+    got = step_logits(model, reference, "cpu")
     if model_kind == "llama":
         assert counters["inductor"]["cpp_templated_kernel_counter"] > 0, "the int4 template did not run"
     # Activations are rounded to bf16 for the int4 kernels: ~1% of the logits' scale.
     for name in ("eager", "compiled"):
         assert rel_error(got[name], got["reference"]) < 0.02, name
     assert got["compiled"].argmax() == got["reference"].argmax()
+
+
+def step_logits(model, reference, device) -> dict:
+    """The last-position logits (fp32, on the CPU) of one decode step after a 5-token prompt: of
+    `model` eagerly and through its compiled step on `device`, and of `reference` on the CPU."""
+    from generate import compile_step
+    step = compile_step(lambda m, x, p: m(x, p), device)
+    got = {}
+    with torch.no_grad():
+        for name, m, run, dev in (("eager", model, model, device),
+                                  ("compiled", model, lambda x, p: step(model, x, p), device),
+                                  ("reference", reference, reference, "cpu")):
+            m.setup_caches(max_batch_size=1, max_seq_length=16)
+            m(torch.tensor([[3, 1, 4, 1, 5]], device=dev), torch.arange(5, device=dev))
+            got[name] = run(torch.tensor([[9]], device=dev), torch.tensor([5], dtype=torch.int, device=dev))[0, -1]
+            got[name] = got[name].float().cpu()
+    return got
