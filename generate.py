@@ -174,12 +174,19 @@ def load_model(checkpoint_path, device="cpu", precision: torch.dtype = torch.flo
     return model.eval()
 
 
+def weights(model: Transformer):
+    """(name, tensor) for each parameter and buffer of the model but its KV caches."""
+    caches = {id(b) for m in model.modules() if hasattr(m, "k_cache") for b in (m.k_cache, m.v_cache)}
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if id(t) not in caches:
+            yield name, t
+
+
 def model_bytes(model: Transformer) -> int:
     """Bytes of weights read per decoded token (MoE: only the activated experts)."""
-    caches = {id(b) for m in model.modules() if hasattr(m, "k_cache") for b in (m.k_cache, m.v_cache)}
     total = 0
-    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
-        if id(t) in caches or name.endswith("rope_cos_sin"):
+    for name, t in weights(model):
+        if name.endswith("rope_cos_sin"):
             continue
         size = t.numel() * t.element_size()
         if model.config.num_experts and ".feed_forward.w" in name:
@@ -239,10 +246,36 @@ def frozen_step(fn: Callable, model) -> Callable:
     # kernels: oneDNN's bf16 matrix-vector product streams them with every core, where eager
     # PyTorch's runs on one. The repacked copy stays beside the model's own weights (which eager
     # prefill still reads).
-    options = dict(freezing=True, autotune_num_choices_displayed=0, **kernel_options(model))
+    options = dict(freezing=True, autotune_num_choices_displayed=0,
+                   post_grad_custom_post_pass=weights_cache_key(model), **kernel_options(model))
     # Dynamo reads the freezing flag while tracing, which happens inside calls (the first, and any
     # recompile): the settings hold during every call rather than globally.
     return inductor_config.patch(options)(torch.compile(fn, fullgraph=True))
+
+
+def weights_cache_key(model):
+    """A graph pass that changes nothing and puts a digest of the weights into inductor's cache key.
+
+    inductor's on-disk cache keys a frozen graph by its code and shapes, not by the weights, yet
+    the C++ GEMM template bakes the weights it repacked at compile time into the cached code (torch
+    2.13, int8): a second checkpoint of the same shape (a fine-tune, GPTQ beside round-to-nearest)
+    would decode with the first one's weights. Hashing costs ~0.5 s a GB, once per model.
+    """
+    import hashlib
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    digest = hashlib.sha256()
+    for name, t in weights(model):
+        digest.update(name.encode())
+        digest.update(t.detach().reshape(-1).view(torch.uint8).numpy())
+    key = digest.hexdigest()
+
+    class WeightsKey(CustomGraphPass):
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return key
+    return WeightsKey()
 
 
 def kernel_options(model) -> dict:

@@ -126,10 +126,10 @@ def test_int8_embedding():
 TINY = dict(block_size=128, vocab_size=256, n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=160)
 
 
-def save_random_model(root, **overrides):
+def save_random_model(root, seed=0, **overrides):
     """A random brisk checkpoint dir (model.pth + config.json), weights wide enough for decisive logits."""
     config = ModelArgs(**{**TINY, **overrides})
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = Transformer(config)
     with torch.no_grad():
         for p in model.parameters():
@@ -393,6 +393,18 @@ def test_compiled_int4_step_matches_dequantized_weights(tmp_path, model_kind):
     for name in ("eager", "compiled"):
         assert rel_error(got[name], got["reference"]) < 0.02, name
     assert got["compiled"].argmax() == got["reference"].argmax()
+
+
+@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32)])
+def test_compiled_step_uses_its_own_checkpoints_weights(tmp_path, mode, groupsize):
+    """Two checkpoints of one shape compiled one after the other: inductor's cache (on disk, shared
+    by processes) must not give the second the first one's frozen weights."""
+    import torch._dynamo
+    for seed in (0, 1):
+        model = load_model(quantize.quantize_checkpoint(save_random_model(tmp_path / str(seed), seed), mode, groupsize))
+        torch._dynamo.reset()
+        got = step_logits(model, model, "cpu")
+        assert rel_error(got["compiled"], got["eager"]) < 0.02, seed
 
 
 def step_logits(model, reference, device) -> dict:
