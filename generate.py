@@ -248,6 +248,9 @@ def frozen_step(fn: Callable, model) -> Callable:
     # prefill still reads).
     options = dict(freezing=True, autotune_num_choices_displayed=0,
                    post_grad_custom_post_pass=weights_cache_key(model), **kernel_options(model))
+    # Products that share their input (w1 and w3) become one over the weights concatenated at
+    # freezing: decode +5% in bf16, +4-11% in int4, +1% in fp32 (SmolLM2 and the 1B model).
+    options["cpp.enable_concat_linear"] = True
     # Dynamo reads the freezing flag while tracing, which happens inside calls (the first, and any
     # recompile): the settings hold during every call rather than globally.
     return inductor_config.patch(options)(torch.compile(fn, fullgraph=True))
