@@ -248,9 +248,6 @@ def frozen_step(fn: Callable, model) -> Callable:
     # prefill still reads).
     options = dict(freezing=True, autotune_num_choices_displayed=0,
                    post_grad_custom_post_pass=weights_cache_key(model), **kernel_options(model))
-    # Products that share their input (w1 and w3) become one over the weights concatenated at
-    # freezing: decode +5% in bf16, +4-11% in int4, +1% in fp32 (SmolLM2 and the 1B model).
-    options["cpp.enable_concat_linear"] = True
     # Dynamo reads the freezing flag while tracing, which happens inside calls (the first, and any
     # recompile): the settings hold during every call rather than globally.
     return inductor_config.patch(options)(torch.compile(fn, fullgraph=True))
@@ -291,7 +288,11 @@ def kernel_options(model) -> dict:
         # oneDNN's products are ops that the Python wrapper dispatches one by one (151 on SmolLM2:
         # 1.2 ms of a 10 ms step); the C++ wrapper calls them directly: +7-11%. Around inductor's
         # own GEMM kernels (int8, int4, fp32 below) it measured slower and stays off.
-        return {} if any(isinstance(m, quantize.QUANTIZED) for m in modules) else dict(cpp_wrapper=True)
+        # Products that share their input (w1 and w3) become one over weights concatenated at
+        # freezing: bf16 +5% on SmolLM2 and +3% on the 1B model, int4 +4-11%. (In fp32 +1%, for a
+        # third copy of w1 and w3: +2.3 GB of peak memory on the 1B model.)
+        concat = {"cpp.enable_concat_linear": True}
+        return concat if any(isinstance(m, quantize.QUANTIZED) for m in modules) else dict(cpp_wrapper=True, **concat)
     # fp32 needs max-autotune: oneDNN's fp32 matrix-vector product is single-threaded and
     # inductor's C++ GEMM template ("CPP") is 2x faster; it also has int8 and int4 weight-only
     # variants.
