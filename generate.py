@@ -8,6 +8,7 @@ local callables passed into `generate`, never rebound globals.
 import argparse
 import contextlib
 import functools
+import hashlib
 import itertools
 import json
 import sys
@@ -261,7 +262,6 @@ def weights_cache_key(model):
     2.13, int8): a second checkpoint of the same shape (a fine-tune, GPTQ beside round-to-nearest)
     would decode with the first one's weights. Hashing costs ~0.5 s a GB, once per model.
     """
-    import hashlib
     from torch._inductor.custom_graph_pass import CustomGraphPass
     digest = hashlib.sha256()
     for name, t in weights(model):
@@ -288,11 +288,11 @@ def kernel_options(model) -> dict:
         # oneDNN's products are ops that the Python wrapper dispatches one by one (151 on SmolLM2:
         # 1.2 ms of a 10 ms step); the C++ wrapper calls them directly: +7-11%. Around inductor's
         # own GEMM kernels (int8, int4, fp32 below) it measured slower and stays off.
+        quantized = any(isinstance(m, quantize.QUANTIZED) for m in modules)
         # Products that share their input (w1 and w3) become one over weights concatenated at
         # freezing: bf16 +5% on SmolLM2 and +3% on the 1B model, int4 +4-11%. (In fp32 +1%, for a
         # third copy of w1 and w3: +2.3 GB of peak memory on the 1B model.)
-        concat = {"cpp.enable_concat_linear": True}
-        return concat if any(isinstance(m, quantize.QUANTIZED) for m in modules) else dict(cpp_wrapper=True, **concat)
+        return {"cpp.enable_concat_linear": True, "cpp_wrapper": not quantized}
     # fp32 needs max-autotune: oneDNN's fp32 matrix-vector product is single-threaded and
     # inductor's C++ GEMM template ("CPP") is 2x faster; it also has int8 and int4 weight-only
     # variants.
