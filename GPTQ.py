@@ -26,9 +26,11 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn import functional as F
 
+from load import with_tied_output
 from model import ModelArgs, Transformer
-from quantize import (dequantize_int4, int4_group_params, pack_int4_codes, padded_size, quantize_int4,
-                      quantize_int8)
+from quantized import (dequantize_int4, int4_group_params, pack_int4_codes, padded_size, quantize_int4,
+                       quantize_int8)
+from tokenizer import load_tokenizer
 
 DEFAULT_PERCDAMP = 0.01  # dampening added to H's diagonal, as a fraction of its mean
 DEFAULT_BLOCKSIZE = 128  # columns per lazy batch update
@@ -267,8 +269,6 @@ def task_text(tasks: list) -> str:
 def calibration_tokens(checkpoint_dir: Path, config: ModelArgs, calibration_file: Optional[Path],
                        calibration_tasks: Optional[list], limit: int, seq_length: int, seed: int) -> tuple:
     """(tokens [limit, seq_length], a description of the source for the metadata)."""
-    from tokenizer import load_tokenizer
-
     if (calibration_file is None) == (not calibration_tasks):
         raise ValueError("--mode int4-gptq needs calibration text: pass --calibration_file FILE (a local text "
                          "file) or --calibration_tasks TASK ... (lm_eval tasks), not both")
@@ -304,9 +304,7 @@ def quantize_state_dict(state_dict: dict, config: ModelArgs, checkpoint_dir: Pat
         f"from {source}, group size {groupsize}, act_order {act_order}")
     with torch.device("meta"):
         model = Transformer(config)
-    weights = dict(state_dict)
-    if config.tie_embeddings and "output.weight" not in weights:
-        weights["output.weight"] = weights["tok_embeddings.weight"]
+    weights = with_tied_output(state_dict, config)
     model.load_state_dict(weights, assign=True, strict=True)
     model = model.to(device=device, dtype=torch.float32).eval()  # GPTQ's algebra wants fp32
     t0 = time.perf_counter()

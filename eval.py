@@ -28,10 +28,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from generate import (PRECISIONS, check_device, compile_fns, decode_one_token, default_device, default_precision,
-                      device_sync, load_model, log, sample)
+from compiling import compile_step
+from decode import decode_one_token, sample
+from load import (PRECISIONS, atomic_write_text, check_device, default_device, default_precision, device_sync,
+                  load_model, log, maybe_init_dist, rank0_output)
 from tokenizer import load_tokenizer
-from tp import maybe_init_dist, rank0_output
 
 LM_EVAL_REQUIREMENT = "lm-eval==0.4.13"
 SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "top_p"}  # generation kwargs we honour
@@ -59,9 +60,9 @@ class Scorer:
         self.model, self.tokenizer = model, tokenizer
         self.max_length, self.batch_size = max_length, batch_size
         self.device = model.tok_embeddings.weight.device
-        # Scoring and prefill take varying lengths (dynamic shapes); decode is generate.py's compiled step.
+        # Scoring and prefill take varying lengths (dynamic shapes); decode is the compiled decode step.
         self.forward = torch.compile(model, dynamic=True) if compile else model
-        self.decode = compile_fns(self.device.type, compile_prefill=False)[1] if compile else decode_one_token
+        self.decode = compile_step(decode_one_token, self.device.type) if compile else decode_one_token
 
     def _setup_caches(self, batch_size: int, length: int):
         self.model.setup_caches(max_batch_size=max(batch_size, self.model.max_batch_size),
@@ -335,9 +336,7 @@ def main(checkpoint_path: Path, tasks: Optional[list], perplexity: Optional[Path
               f"stride {stride or scorer.max_length // 2})")
         output["perplexity"] = ppl
     if output_json is not None and (dist is None or dist.rank == 0):
-        tmp = output_json.with_name(output_json.name + ".tmp")
-        tmp.write_text(json.dumps(output, indent=2, default=str) + "\n")
-        tmp.replace(output_json)
+        atomic_write_text(output_json, json.dumps(output, indent=2, default=str) + "\n")
         log(f"Results written to {output_json}")
 
 

@@ -156,9 +156,9 @@ class Transformer(nn.Module):
         """idx: [B, T] token ids at positions input_pos [T]; returns logits [B, T, vocab].
 
         A prompt's prefill says what it knows: last_only computes logits for the last position only
-        ([B, 1, vocab]; the output projection is about a fifth of a small model's prefill work), and
-        from_start says that input_pos is arange(T), so attention needs nothing from the cache and
-        runs as SDPA's causal kernel over the prompt (35% less attention time than a mask on the CPU).
+        ([B, 1, vocab]; the output projection over a whole prompt is a large part of a small model's
+        prefill), and from_start says that input_pos is arange(T), so attention needs nothing from
+        the cache and runs as SDPA's causal kernel over the prompt, cheaper than a mask over the cache.
         """
         if self.max_seq_length < 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before the forward pass")
@@ -218,8 +218,8 @@ class Attention(nn.Module):
             return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv, S, hd)
         # GQA: the query heads that share a key/value head become rows of one attention over it.
-        # SDPA's own enable_gqa gives the same result but, in bf16 on the CPU, ran 5x slower at 1k
-        # tokens of context (the whole decode: 40 -> 72 tok/s on SmolLM2).
+        # SDPA's own enable_gqa gives the same result but runs far slower in bf16 on the CPU at long
+        # contexts (README, How it works).
         rep = self.n_head // self.n_local_heads
         q = q.reshape(B, self.n_local_heads, rep * T, self.head_dim)
         if T == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
@@ -242,17 +242,30 @@ class FeedForward(nn.Module):
 
 
 class MoEFeedForward(nn.Module):
-    """Mixtral's sparse feed-forward: each token runs its top-k experts, weighted by the router."""
+    """Mixtral's sparse feed-forward: each token runs its top-k experts, weighted by the router.
+
+    Subclasses (quantize's int8 / int4 experts) change how experts are stored and applied:
+    `make_experts`, `expert`, `expert_weights`, and `gathers` (whether a compiled decode step can
+    gather the selected experts' weights); routing and the paths below stay the same.
+    """
+    gathers = True
 
     def __init__(self, config: ModelArgs):
         super().__init__()
         E, D, I = config.num_experts, config.dim, config.intermediate_size
         self.top_k = config.num_activated_experts
         self.gate = nn.Linear(D, E, bias=False)
+        self.make_experts(E, D, I)
+
+    def make_experts(self, E: int, D: int, I: int):
         # Experts stacked so a token gathers only its selected experts' weights.
         self.w1 = nn.Parameter(torch.empty(E, I, D))
         self.w3 = nn.Parameter(torch.empty(E, I, D))
         self.w2 = nn.Parameter(torch.empty(E, D, I))
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.out_features
 
     def route(self, x: Tensor):
         """x: (N, D) -> weights, experts (N, k): softmax over all experts, top-k, renormalised (Mixtral)."""
@@ -271,7 +284,7 @@ class MoEFeedForward(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, D)
         weights, experts = self.route(x)
-        E = self.w1.shape[0]
+        E = self.num_experts
         if not torch.compiler.is_compiling():
             # Eager: each expert runs on the tokens routed to it (data-dependent shapes, no copies).
             out = torch.zeros_like(x)
@@ -280,7 +293,7 @@ class MoEFeedForward(nn.Module):
                 if len(token):  # CUDA's int4 kernel refuses an empty batch
                     out.index_add_(0, token, weights[token, slot, None] * self.expert(x[token], e))
             return out.reshape(shape)
-        if x.shape[0] * self.top_k <= E:
+        if self.gathers and x.shape[0] * self.top_k <= E:
             # Compiled decode: only the selected experts' weights are read.
             w1, w3, w2 = self.expert_weights(experts)
             h = F.silu(torch.einsum("nd,nkid->nki", x, w1)) * torch.einsum("nd,nkid->nki", x, w3)  # (N, k, I)
@@ -290,7 +303,7 @@ class MoEFeedForward(nn.Module):
 
     def all_experts(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """Compiled, many tokens: static shapes, so every expert runs on all tokens; unselected ones weigh 0."""
-        dense = torch.zeros(x.shape[0], self.w1.shape[0], dtype=x.dtype, device=x.device)
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
         dense = dense.scatter(1, experts, weights)  # (N, E)
         out = torch.zeros_like(x)
         for e in range(dense.shape[1]):
@@ -300,8 +313,8 @@ class MoEFeedForward(nn.Module):
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """SDPA for a few query rows, written as products and sums that inductor fuses into loops over
-    the cache. In a compiled CPU decode step the SDPA op costs ~10 us more a layer at short
-    contexts and ~30 us at 1k (SmolLM2: ~0.3 ms of a 4 ms int4 step), mostly its fixed cost."""
+    the cache. In a compiled CPU decode step the SDPA op's fixed cost per layer is a visible part of
+    a small quantized model's step; fused, it is gone."""
     scores = (q[..., :, None, :].float() * k[..., None, :, :].float()).sum(-1) * q.shape[-1] ** -0.5
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # (B, H, rows, S)
     return (probs[..., None] * v[..., None, :, :].float()).sum(-2).to(q.dtype)

@@ -17,8 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from generate import compile_step, decode_one_token, load_model, log, logits_to_probs, prefill
+from compiling import skip_guards
+from decode import decode_one_token, logits_to_probs, prefill
+from load import load_model
 from model import Transformer
+from tokenizer import load_tokenizer
 
 
 def verify(model: Transformer, x: Tensor, input_pos: Tensor, temperature: float = 0.0,
@@ -73,7 +76,7 @@ def speculative_generate(model: Transformer, prompt: Tensor, max_new_tokens: int
                          draft_fn: Callable = decode_one_token, accepted: Optional[list] = None,
                          temperature: float = 0.0, top_k: Optional[int] = None,
                          top_p: Optional[float] = None) -> Tensor:
-    """generate.generate's contract for one sequence, drafting with draft_model or, when ngram is
+    """decode.generate's contract for one sequence, drafting with draft_model or, when ngram is
     given, by prompt lookup. Appends the accepted draft count of each verify step to `accepted`."""
     assert (draft_model is None) != (ngram is None), "pass draft_model or ngram"
     if prompt.dim() == 1:
@@ -107,9 +110,7 @@ def speculative_generate(model: Transformer, prompt: Tensor, max_new_tokens: int
             if t in eos or n == max_new_tokens:
                 return seq[None, :T + n]
         pos = T + n - 1  # position of the last token, seq[pos]
-        # As in generate(): after the first round the compiled steps see the shapes and models
-        # their guards already checked, so only the guards that tell their graphs apart run.
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=pos > T):
+        with skip_guards(pos > T):  # after the first round, the first round's guards hold
             if draft_model is not None:
                 draft, q = draft_k_tokens(draft_model, seq[pos:pos + 1], pos, k, draft_fn, sampling)
             else:
@@ -141,14 +142,8 @@ def draft_k_tokens(draft_model: Transformer, token: Tensor, pos: int, k: int, dr
     return torch.cat(tokens), torch.cat(probs)
 
 
-def compile_verify(device: str) -> Callable:
-    """The target's (k+1)-token verify forward, compiled like generate.compile_fns' decode step."""
-    return compile_step(verify, device)
-
-
 def load_draft(path: Path, target: Transformer, tokenizer, device, precision) -> Transformer:
     """Load the draft model and check that it shares the target's vocabulary."""
-    from tokenizer import load_tokenizer
     draft = load_model(path, device, precision)
     problem = None
     if draft.config.vocab_size != target.config.vocab_size:

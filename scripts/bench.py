@@ -37,7 +37,7 @@ PRECISIONS = ("fp32", "bf16", "int8", "int4")
 GGUF_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 INT4_GROUPSIZE = 32  # like Q4_0's blocks of 32
-SHORT_PROMPT = 16  # tokens; synthetic prompts like generate.py's --prompt N
+SHORT_PROMPT = 16  # tokens; synthetic prompts like generate.py's --synthetic_prompt_len N
 WARMUP_TOKENS = 4
 DEFAULT_LLAMACPP_DIR = Path(os.environ.get("BRISK_LLAMACPP_DIR", Path.home() / ".cache/brisk/llama.cpp"))
 DEFAULT_SMOLLM2_DIR = ROOT / "checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -229,7 +229,7 @@ def tensor_bytes(tensors) -> int:
 
 
 def synthetic_prompt(n: int, vocab_size: int) -> list:
-    """The same n tokens as generate.py's --prompt N, for every system."""
+    """The same n tokens as generate.py's --synthetic_prompt_len N, for every system."""
     import torch
     g = torch.Generator().manual_seed(0)
     return torch.randint(0, min(vocab_size, 1000), (n,), generator=g).tolist()
@@ -237,24 +237,25 @@ def synthetic_prompt(n: int, vocab_size: int) -> list:
 
 def worker_brisk(spec: dict) -> dict:
     import torch
-    import generate
+    import decode
+    import load
+    from compiling import compile_step
     device = spec["device"]
-    precision = getattr(torch, spec["dtype"]) if spec["dtype"] else generate.default_precision(device)
-    model = generate.load_model(spec["checkpoint"], device, precision)
+    precision = getattr(torch, spec["dtype"]) if spec["dtype"] else load.default_precision(device)
+    model = load.load_model(spec["checkpoint"], device, precision)
     T, N = spec["prompt_tokens"], spec["new_tokens"]
     prompt = torch.tensor(synthetic_prompt(T, model.config.vocab_size), device=device)
-    fns = dict(zip(("prefill_fn", "decode_fn"), generate.compile_fns(device, compile_prefill=False))) \
-        if spec["compile"] else {}
+    fns = dict(decode_fn=compile_step(decode.decode_one_token, device)) if spec["compile"] else {}
     # The cache size generate.py would use, set before the warm-up so the compiled decode fits both runs.
     model.setup_caches(max_batch_size=1, max_seq_length=T + N)
-    timer = TokenTimer(lambda: generate.device_sync(device))
+    timer = TokenTimer(lambda: load.device_sync(device))
     t0 = time.perf_counter()
-    generate.generate(model, prompt[:SHORT_PROMPT], WARMUP_TOKENS, **fns)  # also compiles
+    decode.generate(model, prompt[:SHORT_PROMPT], WARMUP_TOKENS, **fns)  # also compiles
     warmup_s = time.perf_counter() - t0
     timer.start()
-    out = generate.generate(model, prompt, N, callback=timer, **fns)
+    out = decode.generate(model, prompt, N, callback=timer, **fns)
     embedding = model.tok_embeddings
-    nbytes = generate.model_bytes(model)
+    nbytes = load.model_bytes(model)
     if getattr(model.output, "weight", None) is not embedding.weight:  # untied, or quantized (int8 table)
         nbytes -= tensor_bytes(list(embedding.parameters()) + list(embedding.buffers()))
     return dict(timer.summary(T), bytes_per_token=nbytes, tokens=out[0, T:T + 32].tolist(),
@@ -298,16 +299,16 @@ def worker_transformers(spec: dict) -> dict:
 def worker_roofline(spec: dict) -> dict:
     """Streaming read bandwidth of the device: sum over a tensor far larger than the caches, best of 10."""
     import torch
-    import generate
+    from load import device_sync
     device = spec["device"]
     x = torch.ones(spec["roofline_bytes"] // 4, dtype=torch.float32, device=device)
     x.sum()
     best = float("inf")
     for _ in range(10):
-        generate.device_sync(device)
+        device_sync(device)
         t0 = time.perf_counter()
         x.sum()
-        generate.device_sync(device)
+        device_sync(device)
         best = min(best, time.perf_counter() - t0)
     return dict(bandwidth_gbps=x.numel() * 4 / best / 1e9)
 

@@ -19,8 +19,9 @@ import torch
 
 if __name__ == "__main__":  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from load import atomic_save  # noqa: E402
 from model import ModelArgs, rope_frequencies  # noqa: E402
-from scripts.convert_hf_checkpoint import atomic_save, check_against_model  # noqa: E402
+from scripts.convert_hf_checkpoint import check_against_model  # noqa: E402
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -16,6 +16,7 @@ import torch
 
 if __name__ == "__main__":  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from load import atomic_save  # noqa: E402
 from model import ModelArgs  # noqa: E402
 
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral")
@@ -159,16 +160,6 @@ def check_against_model(state: dict, config: ModelArgs):
         if tuple(state[name].shape) != tuple(t.shape):
             raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(state[name].shape)}, "
                              f"config expects {tuple(t.shape)}")
-
-
-def atomic_save(obj, path: Path):
-    """torch.save to a temporary name, then rename: a failed write leaves no half checkpoint."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        torch.save(obj, tmp)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def find_source(checkpoint_dir: Path) -> Path:

@@ -15,18 +15,20 @@ import torch
 
 if __name__ == "__main__":  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import generate  # noqa: E402
+import decode  # noqa: E402
+import load  # noqa: E402
+from compiling import compile_step, skip_guards  # noqa: E402
 
 
 def profile_decode(checkpoint_path: Path, precision: str, compile: bool, prompt_tokens: int, new_tokens: int,
                    device: str, top: int, shapes: bool = False, trace: Path = None) -> str:
-    model = generate.load_model(checkpoint_path, device, generate.PRECISIONS[precision])
+    model = load.load_model(checkpoint_path, device, load.PRECISIONS[precision])
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, min(model.config.vocab_size, 1000), (prompt_tokens,), generator=g).to(device)
-    prefill_fn, decode_fn = generate.compile_fns(device, False) if compile else (generate.prefill,
-                                                                                 generate.decode_one_token)
+    prefill_fn = decode.prefill
+    decode_fn = compile_step(decode.decode_one_token, device) if compile else decode.decode_one_token
     model.setup_caches(max_batch_size=1, max_seq_length=prompt_tokens + new_tokens)
-    generate.generate(model, prompt, 4, prefill_fn=prefill_fn, decode_fn=decode_fn)  # warm-up (and compile)
+    decode.generate(model, prompt, 4, prefill_fn=prefill_fn, decode_fn=decode_fn)  # warm-up (and compile)
 
     # Profile decode steps only: prefill once outside the profiler, then the steps one by one.
     with torch.no_grad():
@@ -36,9 +38,9 @@ def profile_decode(checkpoint_path: Path, precision: str, compile: bool, prompt_
             t0 = time.perf_counter()
             for i in range(new_tokens):
                 pos = torch.tensor([prompt_tokens + i], device=device, dtype=torch.int)
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=i > 0):  # as generate() does
+                with skip_guards(i > 0):  # as decode.generate() does
                     token, _ = decode_fn(model, token.clone(), pos, **greedy)
-            generate.device_sync(device)
+            load.device_sync(device)
             step_ms = (time.perf_counter() - t0) * 1e3 / new_tokens
     if trace:
         prof.export_chrome_trace(str(trace))
@@ -57,8 +59,8 @@ def profile_decode(checkpoint_path: Path, precision: str, compile: bool, prompt_
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint_path", type=Path, default=generate.DEFAULT_CHECKPOINT, help="model.pth to profile")
-    p.add_argument("--precision", choices=sorted(generate.PRECISIONS), default="float32", help="weights dtype")
+    p.add_argument("--checkpoint_path", type=Path, default=load.DEFAULT_CHECKPOINT, help="model.pth to profile")
+    p.add_argument("--precision", choices=sorted(load.PRECISIONS), default="float32", help="weights dtype")
     p.add_argument("--compile", action="store_true", help="profile the compiled decode step")
     p.add_argument("--prompt_tokens", type=int, default=16, help="synthetic prompt length")
     p.add_argument("--new_tokens", type=int, default=64, help="decode steps profiled")

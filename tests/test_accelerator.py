@@ -9,9 +9,12 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import quantize
+import quantized
 from conftest import make_hf_model, save_and_convert
-from generate import compile_fns, generate, load_model
-from speculative import compile_verify, speculative_generate
+from compiling import compile_step
+from decode import decode_one_token, generate
+from load import load_model
+from speculative import speculative_generate, verify
 from test_quantize import MODELS, dequantized_model, rel_error, save_random_model, step_logits
 
 DEVICE = os.environ.get("BRISK_TEST_DEVICE", "cuda")
@@ -48,7 +51,7 @@ def test_compiled_generation_equals_eager(family, converted):
     a call's first step, so each of these must still reach a graph of its own)."""
     _, path = converted(family)
     model = load_model(path, DEVICE, torch.float32)
-    _, decode_fn = compile_fns(DEVICE, compile_prefill=False)
+    decode_fn = compile_step(decode_one_token, DEVICE)
     for new_tokens, batch_size, prompt_len in [(12, 1, 6), (30, 1, 6), (8, 2, 6), (8, 1, 3)]:
         prompt = PROMPT[:prompt_len].to(DEVICE)
         eager = generate(model, prompt, new_tokens, batch_size=batch_size)
@@ -61,7 +64,7 @@ def test_bf16_generation_matches_transformers(converted):
     on brisk's own greedy tokens (bf16 may flip a near-tie, so compare the logits, not the tokens)."""
     hf, path = converted("llama31")
     model = load_model(path, DEVICE, torch.bfloat16)
-    _, decode_fn = compile_fns(DEVICE, compile_prefill=False)
+    decode_fn = compile_step(decode_one_token, DEVICE)
     tokens = generate(model, PROMPT.to(DEVICE), 24, decode_fn=decode_fn).cpu()
     with torch.no_grad():
         expected = hf(tokens).logits[0, len(PROMPT) - 1:-1]
@@ -76,10 +79,10 @@ def test_quantized_step_matches_dequantized_weights(tmp_path, model_kind, mode, 
     """Eager and compiled steps of a quantized model (CUDA's int4 kernel on CUDA) against the model
     with its quantized weights dequantized, in fp32 on the CPU."""
     path = save_random_model(tmp_path, **MODELS[model_kind])
-    quantized = quantize.quantize_checkpoint(path, mode, groupsize)
-    model, reference = load_model(quantized, DEVICE, torch.bfloat16), dequantized_model(path, quantized)
+    qpath = quantize.quantize_checkpoint(path, mode, groupsize)
+    model, reference = load_model(qpath, DEVICE, torch.bfloat16), dequantized_model(path, qpath)
     if mode == "int4" and DEVICE.startswith("cuda"):
-        assert {m.kernel for m in model.modules() if isinstance(m, quantize.Int4Linear)} == {"cuda"}
+        assert {m.kernel for m in model.modules() if isinstance(m, quantized.Int4Linear)} == {"cuda"}
     got = step_logits(model, reference, DEVICE)
     for name in ("eager", "compiled"):
         assert rel_error(got[name], got["reference"]) < 0.03, name  # bf16 activations: ~1% of the scale
@@ -90,7 +93,7 @@ def test_sampling_on_device(converted):
     compiled step and gives only tokens that top-k allows."""
     _, path = converted("llama31")
     model = load_model(path, DEVICE, torch.float32)
-    _, decode_fn = compile_fns(DEVICE, compile_prefill=False)
+    decode_fn = compile_step(decode_one_token, DEVICE)
     torch.manual_seed(0)
     out = generate(model, PROMPT.to(DEVICE), 16, batch_size=4, decode_fn=decode_fn, temperature=0.8, top_k=1)
     assert out.tolist() == generate(model, PROMPT.to(DEVICE), 16, batch_size=4).tolist()  # top_k=1 is greedy
@@ -103,8 +106,8 @@ def test_speculative_greedy_equals_plain_greedy(tmp_path_factory):
     draft = load_model(save_and_convert(make_hf_model("qwen2", seed=1), tmp_path_factory.mktemp("d")), DEVICE)
     prompt = PROMPT.to(DEVICE)
     plain = generate(target, prompt, 30)[0].tolist()
-    _, decode_fn = compile_fns(DEVICE, compile_prefill=False)
-    verify_fn = compile_verify(DEVICE)
+    decode_fn = compile_step(decode_one_token, DEVICE)
+    verify_fn = compile_step(verify, DEVICE)
     for drafter in (dict(draft_model=draft), dict(ngram=2)):
         accepted = []
         out = speculative_generate(target, prompt, 30, k=3, accepted=accepted, draft_fn=decode_fn,

@@ -44,6 +44,17 @@ def test_generate_works(checkpoint):
     assert "Average tokens/sec" in r.stderr and "Average tokens/sec" not in r.stdout
 
 
+def test_number_prompt_is_text(checkpoint):
+    """A number is text to --prompt (as a user means it); a synthetic prompt needs its own flag."""
+    r = run(["generate.py", "--checkpoint_path", str(checkpoint), "--prompt", "300", "--no-chat",
+             "--max_new_tokens", "2", "--temperature", "0", "--device", "cpu"])
+    assert r.returncode == 0, r.stderr  # 300 synthetic tokens would not fit the 256-token context
+    assert r.stdout.startswith("300")
+    r = run(["generate.py", "--checkpoint_path", str(checkpoint), "--synthetic_prompt_len", "20",
+             "--max_new_tokens", "2", "--temperature", "0", "--device", "cpu"])
+    assert r.returncode == 0, r.stderr
+
+
 def test_missing_checkpoint(tmp_path):
     assert_clean_error(run(["generate.py", "--checkpoint_path", str(tmp_path / "nope/model.pth")]), "not found")
 
@@ -82,7 +93,7 @@ def test_corrupt_checkpoint(checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--prompt", "300"], "context"),  # the tiny model's context is 256 tokens
+    (["--synthetic_prompt_len", "300"], "context"),  # the tiny model's context is 256 tokens
     (["--prompt", "hi", "--max_new_tokens", "1000"], "context"),
     (["--device", "tpu"], "unknown device"),
 ])
@@ -116,7 +127,8 @@ def test_convert_missing_source(tmp_path):
 def test_interactive_chat_uses_template(checkpoint, tmp_path):
     """Two turns through --interactive: each answer is the greedy continuation of the templated chat."""
     import torch
-    from generate import generate, load_model
+    from decode import generate
+    from load import load_model
     from tokenizer import load_tokenizer
     d = tmp_path / "chat"
     shutil.copytree(checkpoint.parent, d)

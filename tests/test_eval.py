@@ -7,7 +7,7 @@ import torch
 
 from conftest import make_hf_model, save_and_convert, save_tokenizer
 from eval import Scorer, cli, make_lm
-from generate import load_model
+from load import load_model
 from tokenizer import load_tokenizer
 
 MAX_LENGTH = 40  # short enough that long prompts are truncated and rolling documents span windows

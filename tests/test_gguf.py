@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import make_hf_model, save_and_convert
-from generate import generate, load_model
+from decode import generate
+from load import load_model
 from model import ModelArgs, Transformer, rope_frequencies
 from scripts.convert_gguf import convert_gguf
 from tokenizer import load_tokenizer

@@ -11,8 +11,10 @@ import torch
 
 import GPTQ
 import quantize
+import quantized
 from conftest import save_tokenizer
-from generate import generate, load_model
+from decode import generate
+from load import load_model
 from test_quantize import TINY, dequantized_model, load_without_kernels, logits, save_random_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,11 +63,11 @@ def test_every_layer_beats_rtn_on_held_out_inputs(tmp_path, groupsize, act_order
     assert len(linears) == 2 * 5 + 1
     for name in linears:
         w = weights[f"{name}.weight"]
-        rtn = quantize.dequantize_int4(*quantize.quantize_int4(w, groupsize), groupsize)[:, :w.shape[1]]
+        rtn = quantized.dequantize_int4(*quantized.quantize_int4(w, groupsize), groupsize)[:, :w.shape[1]]
         packed, sz = sd[f"{name}.weight"], sd[f"{name}.scales_and_zeros"]
-        assert packed.shape == (w.shape[0], quantize.padded_size(w.shape[1], groupsize) // 2)
-        assert sz.shape == (quantize.padded_size(w.shape[1], groupsize) // groupsize, w.shape[0], 2)
-        gptq = quantize.dequantize_int4(packed, sz, groupsize)[:, :w.shape[1]]
+        assert packed.shape == (w.shape[0], quantized.padded_size(w.shape[1], groupsize) // 2)
+        assert sz.shape == (quantized.padded_size(w.shape[1], groupsize) // groupsize, w.shape[0], 2)
+        gptq = quantized.dequantize_int4(packed, sz, groupsize)[:, :w.shape[1]]
         x = held_out[name]
         assert output_error(x, w, gptq) < output_error(x, w, rtn), name
         assert errors[name][1] < errors[name][0], name  # the progress figures, on the calibration inputs
@@ -76,9 +78,9 @@ def test_identity_hessian_gives_rtn():
     w = torch.randn(48, 100, generator=torch.Generator().manual_seed(0))
     for act_order in (False, True):
         packed, sz, deq = GPTQ.gptq_quantize(w, torch.eye(100), 32, act_order=act_order)
-        rtn_packed, rtn_sz = quantize.quantize_int4(w, 32)
+        rtn_packed, rtn_sz = quantized.quantize_int4(w, 32)
         assert torch.equal(packed, rtn_packed) and torch.equal(sz, rtn_sz)
-        assert torch.equal(deq, quantize.dequantize_int4(packed, sz, 32)[:, :100])
+        assert torch.equal(deq, quantized.dequantize_int4(packed, sz, 32)[:, :100])
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -91,7 +93,7 @@ def test_dead_inputs_give_no_nans(act_order):
     H = 2 * x.T @ x / x.shape[0]
     packed, sz, deq = GPTQ.gptq_quantize(w, H, 32, act_order=act_order)
     assert torch.isfinite(sz.float()).all() and torch.isfinite(deq).all()
-    rtn = quantize.dequantize_int4(*quantize.quantize_int4(w, 32), 32)
+    rtn = quantized.dequantize_int4(*quantized.quantize_int4(w, 32), 32)
     assert output_error(x, w, deq) < output_error(x, w, rtn)
     assert (deq[:, 64:96] == 0).all()  # a dead input's weights are zero: nothing to spend bits on
 

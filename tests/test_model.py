@@ -4,7 +4,8 @@ import torch
 import torch._dynamo
 
 from conftest import FAMILIES, make_hf_model, save_and_convert
-from generate import generate, load_model
+from decode import generate
+from load import load_model
 from model import ModelArgs
 
 
@@ -101,12 +102,13 @@ def test_presets_exact_names():
 
 @pytest.mark.slow
 def test_compiled_decode_equals_eager(converted):
-    from generate import compile_fns
+    from compiling import compile_prefill, compile_step
+    from decode import decode_one_token, prefill
     _, path = converted("llama31")
     model = load_model(path)
     prompt = torch.tensor([9, 8, 7, 6])
     eager = generate(model, prompt, 12, temperature=0.0)
-    prefill_fn, decode_fn = compile_fns("cpu", compile_prefill=True)
+    prefill_fn, decode_fn = compile_prefill(prefill), compile_step(decode_one_token, "cpu")
     torch._dynamo.reset()
     # fullgraph=True fails on a graph break; a recompile per token (e.g. on input_pos) fails here.
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -121,10 +123,11 @@ def test_compiled_decode_equals_eager(converted):
 def test_compiled_decode_follows_cache_and_batch_changes(converted):
     """generate() skips the compiled step's guards after its first step; a new call that grows
     the cache or changes the batch must still recompile and decode as eagerly."""
-    from generate import compile_fns
+    from compiling import compile_step
+    from decode import decode_one_token
     _, path = converted("llama31")
     model = load_model(path)
-    _, decode_fn = compile_fns("cpu", compile_prefill=False)
+    decode_fn = compile_step(decode_one_token, "cpu")
     torch._dynamo.reset()
     for new_tokens, batch_size, prompt_len in [(6, 1, 4), (30, 1, 4), (8, 2, 4), (6, 1, 9), (6, 1, 4)]:
         prompt = torch.arange(5, 5 + prompt_len)
@@ -140,7 +143,7 @@ def test_compiled_cpu_step_freezes_and_matches_eager(converted, dtype):
     template; passing it as a torch.compile option alone silently did nothing) and its logits
     equal the eager model's at the same position, within the dtype's precision."""
     from torch._dynamo.utils import counters
-    from generate import compile_step
+    from compiling import compile_step
     _, path = converted("qwen2")  # biases too
     model = load_model(path, "cpu", dtype)
     model.setup_caches(max_batch_size=1, max_seq_length=16)

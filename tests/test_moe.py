@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import make_hf_model
-from generate import generate, load_model
+from decode import generate
+from load import load_model
 from scripts.convert_hf_checkpoint import convert_hf_checkpoint
 
 
@@ -127,7 +128,7 @@ def test_compiled_moe_equals_eager(tokens, converted):
 @pytest.mark.slow
 def test_compiled_decode_no_graph_breaks(converted):
     import torch._dynamo
-    from generate import decode_one_token
+    from decode import decode_one_token
     _, path = converted("mixtral")
     model = load_model(path)
     prompt = torch.tensor([9, 8, 7, 6, 5])

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import quantize
-from generate import generate, load_model
+import quantized
+from decode import generate
+from load import load_model
 from model import ModelArgs, MoEFeedForward, Transformer
 
 CPU, NO_KERNEL = torch.device("cpu"), torch.device("mps")  # "mps": the dequantize path, run on CPU tensors
@@ -36,25 +38,25 @@ def weights(N, K, seed=0):
 
 def test_int8_round_trip():
     w = weights(48, 200)
-    q, scales = quantize.quantize_int8(w)
+    q, scales = quantized.quantize_int8(w)
     assert q.dtype == torch.int8 and scales.dtype == torch.bfloat16 and q.abs().max() <= 127
     deq = q.double() * scales.double().unsqueeze(1)
-    torch.testing.assert_close(quantize.dequantize_int8(q, scales).double(), deq, rtol=0, atol=1e-7)
+    torch.testing.assert_close(quantized.dequantize_int8(q, scales).double(), deq, rtol=0, atol=1e-7)
     step = scales.double().unsqueeze(1)
     assert ((w.double() - deq).abs() <= step / 2 + 1e-7).all()
 
 
-@pytest.mark.parametrize("groupsize", quantize.GROUP_SIZES)
+@pytest.mark.parametrize("groupsize", quantized.GROUP_SIZES)
 @pytest.mark.parametrize("K", [256, 576])  # 576 pads to a multiple of 128 and 256
 def test_int4_round_trip(groupsize, K):
     w = weights(32, K)
-    packed, sz = quantize.quantize_int4(w, groupsize)
-    Kp = quantize.padded_size(K, groupsize)
+    packed, sz = quantized.quantize_int4(w, groupsize)
+    Kp = quantized.padded_size(K, groupsize)
     assert Kp % groupsize == 0 and K <= Kp < K + groupsize
     assert packed.shape == (32, Kp // 2) and packed.dtype == torch.uint8
     assert sz.shape == (Kp // groupsize, 32, 2) and sz.dtype == torch.bfloat16
     deq = ref_dequantize_int4(packed, sz, groupsize)
-    torch.testing.assert_close(quantize.dequantize_int4(packed, sz, groupsize).double(), deq, rtol=0, atol=1e-6)
+    torch.testing.assert_close(quantized.dequantize_int4(packed, sz, groupsize).double(), deq, rtol=0, atol=1e-6)
     # Within half a step of its group everywhere, the padding columns included (they hold zeros).
     step = sz[..., 0].double().transpose(0, 1).repeat_interleave(groupsize, dim=1)  # (N, Kp)
     padded = torch.nn.functional.pad(w.double(), (0, Kp - K))
@@ -70,13 +72,13 @@ def test_int4_round_trip(groupsize, K):
 def make_linear(kind, w, bias=None, groupsize=32):
     N, K = w.shape
     if kind == "int8":
-        m = quantize.Int8Linear(K, N, bias is not None)
-        m.weight, m.scales = quantize.quantize_int8(w)
-        deq = quantize.dequantize_int8(m.weight, m.scales)
+        m = quantized.Int8Linear(K, N, bias is not None)
+        m.weight, m.scales = quantized.quantize_int8(w)
+        deq = quantized.dequantize_int8(m.weight, m.scales)
     else:
-        m = quantize.Int4Linear(K, N, bias is not None, groupsize, quantize.padded_size(K, groupsize))
-        m.weight, m.scales_and_zeros = quantize.quantize_int4(w, groupsize)
-        deq = quantize.dequantize_int4(m.weight, m.scales_and_zeros, groupsize)[:, :K]
+        m = quantized.Int4Linear(K, N, bias is not None, groupsize, quantized.padded_size(K, groupsize))
+        m.weight, m.scales_and_zeros = quantized.quantize_int4(w, groupsize)
+        deq = quantized.dequantize_int4(m.weight, m.scales_and_zeros, groupsize)[:, :K]
     m.bias = bias
     return m, deq
 
@@ -113,11 +115,11 @@ def test_linear_matches_dequantized_weight(kind, groupsize, N, K, device, kernel
 
 def test_int8_embedding():
     w = weights(50, 16)
-    m = quantize.Int8Embedding(50, 16)
-    m.weight, m.scales = quantize.quantize_int8(w)
+    m = quantized.Int8Embedding(50, 16)
+    m.weight, m.scales = quantized.quantize_int8(w)
     m.finalize(CPU, torch.float32)
     idx = torch.tensor([[0, 1, 2, 49]])
-    torch.testing.assert_close(m(idx), quantize.dequantize_int8(m.weight, m.scales)[idx])
+    torch.testing.assert_close(m(idx), quantized.dequantize_int8(m.weight, m.scales)[idx])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,10 +161,10 @@ def dequantized_model(path, quantized_path):
             moe = isinstance(model.get_submodule(name), MoEFeedForward)
             for key in [f"{name}.w1", f"{name}.w3", f"{name}.w2"] if moe else [f"{name}.weight"]:
                 if spec["kind"] == "int8":
-                    deq = quantize.dequantize_int8(sd[key], sd[key + "_scales" if moe else f"{name}.scales"])
+                    deq = quantized.dequantize_int8(sd[key], sd[key + "_scales" if moe else f"{name}.scales"])
                 elif spec["kind"] == "int4":
                     packed, sz = sd[key], sd[key + "_scales_and_zeros" if moe else f"{name}.scales_and_zeros"]
-                    deq = torch.stack([quantize.dequantize_int4(p, s, spec["groupsize"])
+                    deq = torch.stack([quantized.dequantize_int4(p, s, spec["groupsize"])
                                        for p, s in zip(packed.reshape(-1, *packed.shape[-2:]),
                                                        sz.reshape(-1, *sz.shape[-3:]))])
                     deq = deq.reshape(*packed.shape[:-1], -1)
@@ -183,8 +185,8 @@ def logits(model, ids=torch.randint(0, 256, (2, 24), generator=torch.Generator()
 
 def load_without_kernels(path, monkeypatch):
     """load_model as on a device without int8/int4 kernels (MPS): everything dequantizes."""
-    finalize = quantize.finalize_model
-    monkeypatch.setattr(quantize, "finalize_model", lambda model, q, device, precision:
+    finalize = quantized.finalize_model
+    monkeypatch.setattr(quantized, "finalize_model", lambda model, q, device, precision:
                         finalize(model, q, NO_KERNEL, precision))
     return load_model(path)
 
@@ -232,7 +234,7 @@ def test_metadata_records_every_module(tmp_path):
     path = save_random_model(tmp_path, tie_embeddings=True, num_experts=4, num_activated_experts=2)
     ckpt = torch.load(quantize.quantize_checkpoint(path, "int4", 128), weights_only=True)
     meta = ckpt["quantization"]
-    assert (meta["format"], meta["mode"], meta["bits"], meta["groupsize"]) == (quantize.FORMAT_VERSION, "int4", 4, 128)
+    assert (meta["format"], meta["mode"], meta["bits"], meta["groupsize"]) == (quantized.FORMAT_VERSION, "int4", 4, 128)
     with torch.device("meta"):
         model = Transformer(ModelArgs.from_json(tmp_path / "config.json"))
     modules = {n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding,
@@ -252,7 +254,7 @@ def test_renamed_file_loads_by_its_metadata(tmp_path):
     expected = logits(load_model(int8))
     misleading = int8.rename(tmp_path / "model_int4.g32.pth")  # the name says int4; the metadata says int8
     model = load_model(misleading)
-    assert isinstance(model.output, quantize.Int8Linear)
+    assert isinstance(model.output, quantized.Int8Linear)
     torch.testing.assert_close(logits(model), expected, rtol=0, atol=0)
 
 
@@ -362,13 +364,14 @@ def test_real_model_int4(real, groupsize, max_error, min_top1):
 def test_quantized_moe_compiled_decode_equals_eager(tmp_path, mode, groupsize):
     """A quantized Mixtral-style model decodes under torch.compile(fullgraph=True) as it does eagerly."""
     import torch._dynamo
-    from generate import compile_fns, generate
+    from compiling import compile_step
+    from decode import decode_one_token, generate
     path = save_random_model(tmp_path, num_experts=4, num_activated_experts=2)
     model = load_model(quantize.quantize_checkpoint(path, mode, groupsize))
     prompt = torch.tensor([3, 1, 4, 1, 5])
     eager = generate(model, prompt, 8, temperature=0.0)
     torch._dynamo.reset()
-    _, decode_fn = compile_fns("cpu", compile_prefill=False)
+    decode_fn = compile_step(decode_one_token, "cpu")
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = generate(model, prompt, 8, temperature=0.0, decode_fn=decode_fn)
     assert compiled.tolist() == eager.tolist()
@@ -410,7 +413,7 @@ def test_compiled_step_uses_its_own_checkpoints_weights(tmp_path, mode, groupsiz
 def step_logits(model, reference, device) -> dict:
     """The last-position logits (fp32, on the CPU) of one decode step after a 5-token prompt: of
     `model` eagerly and through its compiled step on `device`, and of `reference` on the CPU."""
-    from generate import compile_step
+    from compiling import compile_step
     step = compile_step(lambda m, x, p: m(x, p), device)
     got = {}
     with torch.no_grad():

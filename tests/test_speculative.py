@@ -4,7 +4,9 @@ import torch
 
 from conftest import make_hf_model, save_and_convert
 import quantize
-from generate import cli, generate, load_model
+from decode import generate
+from generate import cli
+from load import load_model
 from speculative import accept_draft, ngram_draft, speculative_generate
 
 PROMPT = torch.tensor([5, 17, 99, 3, 42, 7])
@@ -153,7 +155,7 @@ def test_batch_refused(models):
 
 
 def test_cli(paths, capsys):
-    base = ["--checkpoint_path", str(paths["target"]), "--prompt", "8", "--temperature", "0",
+    base = ["--checkpoint_path", str(paths["target"]), "--synthetic_prompt_len", "8", "--temperature", "0",
             "--max_new_tokens", "30", "--device", "cpu"]
     cli(base)
     plain = capsys.readouterr().out
@@ -166,7 +168,7 @@ def test_cli(paths, capsys):
 
 @pytest.mark.parametrize("problem", ["vocab_size", "tokenizer", "both"])
 def test_cli_refuses_mismatched_draft(paths, tmp_path, capsys, problem):
-    base = ["--checkpoint_path", str(paths["target"]), "--prompt", "8", "--max_new_tokens", "4"]
+    base = ["--checkpoint_path", str(paths["target"]), "--synthetic_prompt_len", "8", "--max_new_tokens", "4"]
     if problem == "vocab_size":
         draft, message = paths["vocab300"], "vocab_size 300"
     elif problem == "tokenizer":
@@ -185,13 +187,14 @@ def test_cli_refuses_mismatched_draft(paths, tmp_path, capsys, problem):
 @pytest.mark.slow
 def test_compiled_equals_eager(models):
     import torch._dynamo
-    from generate import compile_fns
-    from speculative import compile_verify
+    from compiling import compile_step
+    from decode import decode_one_token
+    from speculative import verify
     plain = generate(models["target"], PROMPT, 20)[0].tolist()
     for drafter in ["other", "ngram", "self"]:  # "self" accepts every draft: its extra draft step runs too
         torch._dynamo.reset()
-        _, decode_fn = compile_fns("cpu", compile_prefill=False)
-        verify_fn = compile_verify("cpu")
+        decode_fn = compile_step(decode_one_token, "cpu")
+        verify_fn = compile_step(verify, "cpu")
         # One graph per compiled step: a second one would be compiled mid-generation, and with the
         # guards skipped after the first round it raises.
         with torch._dynamo.config.patch(error_on_recompile=True):

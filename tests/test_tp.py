@@ -11,10 +11,13 @@ import torch
 
 from conftest import make_hf_model, save_and_convert
 from eval import cli as eval_cli
-from generate import cli, generate, load_model
+from decode import generate
+from generate import cli
+from load import load_model
 from model import ModelArgs, Transformer
 import quantize
-from tp import Dist, check_divisible, maybe_init_dist
+from load import Dist, maybe_init_dist
+from tp import check_divisible
 from tp_worker import PROMPT, dequant_only, logits
 
 REPO = Path(__file__).resolve().parent.parent

@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 if __name__ == "__main__":  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from generate import compile_fns, generate, load_model  # noqa: E402
-from tp import maybe_init_dist  # noqa: E402
-import quantize  # noqa: E402
+from compiling import compile_step  # noqa: E402
+from decode import decode_one_token, generate  # noqa: E402
+from load import load_model, maybe_init_dist  # noqa: E402
+import quantized  # noqa: E402
 
 IDS = torch.arange(2 * 12).reshape(2, 12) * 7 % 200  # (B, T) fixed ids every process can rebuild
 PROMPT = torch.tensor([5, 17, 99, 3, 42, 7])
@@ -34,7 +35,7 @@ def logits(model, ids=IDS, prefill_len=8):
 
 def dequant_only():
     """Every quantized layer finalized onto the dequantize + F.linear path (fp32 activations)."""
-    return patch.multiple(quantize, int8_kernel=lambda *args: "dequant", int4_kernel=lambda *args: "dequant")
+    return patch.multiple(quantized, int8_kernel=lambda *args: "dequant", int4_kernel=lambda *args: "dequant")
 
 
 def check(path, d):
@@ -64,7 +65,7 @@ def main():
                 results[f"{path}:dequant"] = check(path, d)
         if args.compile:
             model = load_model(path, "cpu", torch.float32, tp=d)
-            _, decode_fn = compile_fns("cpu", compile_prefill=False)
+            decode_fn = compile_step(decode_one_token, "cpu")
             r["compiled_greedy"] = generate(model, PROMPT, 20, temperature=0.0, decode_fn=decode_fn)
     if d.rank == 0:
         torch.save(results, args.out)

@@ -1,0 +1,114 @@
+# Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
+"""How a decode-sized step is compiled for a device: one function, `compile_step`.
+
+CUDA: CUDA graphs (one launch per step). CPU: the model's weights are frozen into the graph so
+inductor repacks them once for its GEMM kernels, whose matrix-vector products use every core
+(eager PyTorch's run on one). Which kernels inductor may pick is asked of the model's modules
+(`inductor_hints`, declared by quantized.py's modules); nothing here knows their classes.
+"""
+import hashlib
+import weakref
+from typing import Callable
+
+import torch
+
+from load import weights
+
+
+def compile_step(fn: Callable, device: str) -> Callable:
+    """torch.compile a decode-sized step fn(model, ...) (a few tokens, static shapes) for `device`."""
+    import torch._inductor.config as inductor_config
+    inductor_config.coordinate_descent_tuning = device.startswith("cuda")
+    inductor_config.fx_graph_cache = True  # warm runs skip most of the compile time
+    if device.startswith("cuda"):
+        return torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+    compiled = torch.compile(fn, fullgraph=True)
+    if device != "cpu":
+        return compiled
+    steps = weakref.WeakKeyDictionary()  # model -> its compiled step, chosen at its first call
+
+    def step(model, *args, **kwargs):
+        f = steps.get(model)
+        if f is None:
+            f = steps[model] = frozen_step(fn, model) if freezable(model) else compiled
+        return f(model, *args, **kwargs)
+    return step
+
+
+def compile_prefill(fn: Callable) -> Callable:
+    """A prompt-sized step: its length varies, so dynamic shapes and no freezing."""
+    return torch.compile(fn, fullgraph=True, dynamic=True)
+
+
+def skip_guards(steady: bool):
+    """Context for calls of compiled steps. steady: the model, its caches and the inputs' shapes are
+    those an earlier call's guards already checked, so only the guards that tell the step's graphs
+    apart need to run (checking all of them costs a noticeable part of a small model's step)."""
+    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=steady)
+
+
+def frozen_step(fn: Callable, model) -> Callable:
+    """fn compiled for the CPU with the model's weights frozen.
+
+    The repacked copy stays beside the model's own weights, which eager prefill still reads.
+    """
+    import torch._inductor.config as inductor_config
+    options = dict(freezing=True, autotune_num_choices_displayed=0,
+                   post_grad_custom_post_pass=weights_cache_key(model), **kernel_options(model))
+    # Dynamo reads the freezing flag while tracing, which happens inside calls (the first, and any
+    # recompile): the settings hold during every call rather than globally.
+    return inductor_config.patch(options)(torch.compile(fn, fullgraph=True))
+
+
+def weights_cache_key(model):
+    """A graph pass that changes nothing and puts a digest of the weights into inductor's cache key.
+
+    inductor's on-disk cache keys a frozen graph by its code and shapes, not by the weights, yet
+    its C++ GEMM template bakes the weights it repacked at compile time into the cached code: a
+    second checkpoint of the same shape (a fine-tune, GPTQ beside round-to-nearest) would decode
+    with the first one's weights.
+    """
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    digest = hashlib.sha256()
+    for name, t in weights(model):
+        digest.update(name.encode())
+        digest.update(t.detach().reshape(-1).view(torch.uint8).numpy())
+    key = digest.hexdigest()
+
+    class WeightsKey(CustomGraphPass):
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return key
+    return WeightsKey()
+
+
+def kernel_options(model) -> dict:
+    """Inductor's options for the products of a frozen CPU step.
+
+    Modules with their own kernels declare `inductor_hints`: "gemm_backends" they need among
+    max-autotune's candidates, "autotune": False where the template computes them wrong,
+    "cpp_wrapper": False where the C++ wrapper around inductor's own kernels is slower.
+    """
+    hints = [m.inductor_hints for m in model.modules() if hasattr(m, "inductor_hints")]
+    if model.norm.weight.dtype != torch.float32:  # norm.weight has the activations' dtype
+        # bf16: oneDNN's products, without autotuning (timing the candidates with the weights in
+        # cache picks inductor's template although oneDNN is faster reading from memory). The C++
+        # wrapper calls oneDNN's ops directly instead of dispatching each from Python. Products
+        # that share their input (w1 and w3) become one over weights concatenated at freezing.
+        return {"cpp.enable_concat_linear": True,
+                "cpp_wrapper": all(h.get("cpp_wrapper", True) for h in hints)}
+    # fp32 needs max-autotune: oneDNN's fp32 matrix-vector product is single-threaded and
+    # inductor's C++ GEMM template ("CPP") uses every core. (Concatenating w1 and w3 would cost a
+    # third copy of them in memory for little speed in fp32.)
+    if not all(h.get("autotune", True) for h in hints):
+        return {}
+    backends = set().union(*(h.get("gemm_backends", ()) for h in hints)) or {"CPP", "ATEN"}
+    return dict(max_autotune=True, max_autotune_gemm_backends=",".join(sorted(backends)))
+
+
+def freezable(model) -> bool:
+    # Tensor-parallel shards keep the plain compiled step: frozen, the 2-rank test decoded other
+    # greedy tokens than one process.
+    return not torch.distributed.is_initialized()

@@ -1,0 +1,106 @@
+# Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
+"""Sampling, prefill and the one-token decode step, and the single-stream generation loop.
+
+`prefill` and `decode_one_token` are the units compiling.compile_step compiles; compiled
+versions are local callables passed into `generate`, never rebound globals.
+"""
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from compiling import skip_guards
+from model import ModelArgs, Transformer
+
+
+def logits_to_probs(logits: Tensor, temperature: float, top_k: Optional[int] = None,
+                    top_p: Optional[float] = None) -> Tensor:
+    logits = logits.float() / max(temperature, 1e-5)
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
+        logits = torch.where(logits < kth, -float("inf"), logits)
+    if top_p is not None and top_p < 1.0:
+        # Keep the smallest set of tokens whose probability mass reaches top_p.
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
+        remove = remove_sorted.scatter(-1, order, remove_sorted)
+        logits = logits.masked_fill(remove, -float("inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def sample(logits: Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
+           top_p: Optional[float] = None):
+    """logits: [B, V] -> (next token [B, 1], probabilities [B, V]). temperature 0 is argmax."""
+    if temperature <= 0:
+        token = logits.argmax(dim=-1, keepdim=True)
+        return token, torch.nn.functional.one_hot(token[:, 0], logits.size(-1)).float()
+    probs = logits_to_probs(logits, temperature, top_k, top_p)
+    # Exponential race instead of torch.multinomial: same distribution, no host sync on CUDA.
+    q = torch.empty_like(probs).exponential_(1)
+    return torch.argmax(probs / q, dim=-1, keepdim=True), probs
+
+
+def prefill(model: Transformer, x: Tensor, **sampling) -> Tensor:
+    """x: [B, T], the sequences' first T tokens -> first generated token [B, 1]."""
+    logits = model(x, torch.arange(x.shape[1], device=x.device), last_only=True, from_start=True)
+    return sample(logits[:, -1], **sampling)[0]
+
+
+def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor, **sampling):
+    """x: [B, 1] at position input_pos [1] -> (next token [B, 1], probabilities [B, V])."""
+    logits = model(x, input_pos)
+    return sample(logits[:, -1], **sampling)
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: Tensor, max_new_tokens: int, *, batch_size: int = 1,
+             eos_ids=(), callback: Optional[Callable[[Tensor], None]] = None,
+             prefill_fn: Callable = prefill, decode_fn: Callable = decode_one_token,
+             temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None) -> Tensor:
+    """Generate up to max_new_tokens after `prompt` ([T] or [B, T]); returns [B, T + n] token ids.
+
+    Stops early once every row has produced one of eos_ids; rows that stopped earlier continue
+    with tokens that `trim_at_eos` removes. callback receives each new token column [B].
+    """
+    if prompt.dim() == 1:
+        prompt = prompt.unsqueeze(0).expand(batch_size, -1)
+    B, T = prompt.shape
+    total = T + max_new_tokens
+    check_context(model.config, T, max_new_tokens)
+    device = prompt.device
+    model.setup_caches(max_batch_size=B, max_seq_length=total)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+
+    seq = torch.empty(B, total, dtype=torch.long, device=device)
+    seq[:, :T] = prompt
+    token = prefill_fn(model, prompt, **sampling)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    n = 0
+    for n in range(1, max_new_tokens + 1):
+        seq[:, T + n - 1] = token[:, 0]
+        if callback is not None:
+            callback(token[:, 0])
+        finished |= torch.isin(token[:, 0], eos)
+        # Reading `finished` waits for the step to finish (on a GPU, the CPU stops queueing ahead).
+        if n == max_new_tokens or (eos.numel() > 0 and bool(finished.all())):
+            break
+        input_pos = torch.tensor([T + n - 1], device=device, dtype=torch.int)
+        with skip_guards(n > 1):  # from the second step on, the first step's guards hold
+            token, _ = decode_fn(model, token.clone(), input_pos, **sampling)
+    return seq[:, :T + n]
+
+
+def check_context(config: ModelArgs, prompt_len: int, max_new_tokens: int):
+    if prompt_len + max_new_tokens > config.block_size:
+        raise ValueError(f"the prompt ({prompt_len} tokens) plus --max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"model's context of {config.block_size} tokens; shorten the prompt or lower "
+                         "--max_new_tokens")
+
+
+def trim_at_eos(tokens: list, eos_ids) -> list:
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[:i]
+    return tokens

@@ -1,0 +1,211 @@
+# Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
+"""Checkpoint files and the model built from them: find, read, load onto a device, write atomically.
+
+A checkpoint folder holds model.pth (brisk's names; a quantized one wraps its state dict with
+the metadata quantized.py reads) and config.json (`ModelArgs`), written by the converters.
+Device, precision and torchrun setup live here too, since every script that loads a model
+needs the same three decisions.
+"""
+import contextlib
+import itertools
+import os
+import sys
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import torch
+
+from model import ModelArgs, Transformer
+
+DEFAULT_CHECKPOINT = Path("checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model.pth")
+PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def log(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices, precision, torchrun
+
+def default_device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def default_precision(device: str) -> torch.dtype:
+    if device.startswith("cuda"):
+        return torch.bfloat16
+    if device.startswith("mps"):
+        return torch.float16
+    return torch.float32
+
+
+def check_device(device: str) -> str:
+    kind = device.split(":")[0]
+    if kind not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda, cuda:N or mps")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("--device mps was asked for but MPS is not available; use --device cpu")
+    return device
+
+
+def device_sync(device):
+    if "cuda" in str(device):
+        torch.cuda.synchronize(device)
+    elif "mps" in str(device):
+        torch.mps.synchronize()
+
+
+class Dist(NamedTuple):
+    rank: int
+    world_size: int
+    device: str  # this rank's device: cuda:LOCAL_RANK on GPUs
+
+
+def maybe_init_dist(device: str) -> Optional[Dist]:
+    """Join torchrun's process group (NCCL on CUDA, gloo on the CPU); None when not run by torchrun."""
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return None
+    import atexit
+    import torch.distributed as dist
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    kind = torch.device(device).type
+    if kind == "cuda":
+        local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+        if local_world > torch.cuda.device_count():
+            raise ValueError(f"launched with {local_world} ranks on this node but only {torch.cuda.device_count()} "
+                             f"CUDA devices are visible; use --nproc_per_node={torch.cuda.device_count()} or fewer")
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=torch.device(device))
+    elif kind == "cpu":
+        dist.init_process_group("gloo")
+    else:
+        raise ValueError(f"tensor parallelism runs on CUDA (NCCL) or the CPU (gloo), not {kind}; pass --device cpu")
+    atexit.register(dist.destroy_process_group)
+    return Dist(rank, world_size, device)
+
+
+@contextlib.contextmanager
+def rank0_output():
+    """Silence stdout and stderr on every torchrun rank but 0, so text and logs appear once."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        yield
+        return
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and writing checkpoints
+
+def checkpoint_config(checkpoint_path) -> ModelArgs:
+    """The ModelArgs of config.json beside checkpoint_path, with errors that say how to get both."""
+    checkpoint_path = Path(checkpoint_path)
+    if not checkpoint_path.is_file():
+        raise FileNotFoundError(f"checkpoint {checkpoint_path} not found; convert one with "
+                                "scripts/prepare.sh REPO_ID or scripts/convert_hf_checkpoint.py")
+    config_path = checkpoint_path.parent / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: the converters write it beside model.pth; "
+                                "re-run scripts/convert_hf_checkpoint.py")
+    return ModelArgs.from_json(config_path)
+
+
+def read_checkpoint(checkpoint_path) -> tuple:
+    """(state dict, quantization metadata or None), memory-mapped on the CPU."""
+    try:
+        checkpoint = torch.load(checkpoint_path, mmap=True, weights_only=True, map_location="cpu")
+    except Exception as e:  # torch raises several types for a truncated or foreign file
+        raise ValueError(f"{checkpoint_path} is not a readable checkpoint ({type(e).__name__}: {e}); "
+                         "re-run the conversion") from e
+    if isinstance(checkpoint, dict) and "quantization" in checkpoint and "state_dict" in checkpoint:
+        return checkpoint["state_dict"], checkpoint["quantization"]
+    return checkpoint, None
+
+
+def with_tied_output(state_dict: dict, config: ModelArgs) -> dict:
+    """A tied checkpoint stores the embedding once; strict loading wants output.weight too."""
+    if config.tie_embeddings and "output.weight" not in state_dict and "tok_embeddings.weight" in state_dict:
+        return dict(state_dict, **{"output.weight": state_dict["tok_embeddings.weight"]})
+    return state_dict
+
+
+def atomic_save(obj, path: Path):
+    """torch.save to a temporary name, then rename: a failed write leaves no half-written file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        torch.save(obj, tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_text(path: Path, text: str):
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+def load_model(checkpoint_path, device="cpu", precision: torch.dtype = torch.float32,
+               tp: Optional[Dist] = None) -> Transformer:
+    """Build the model from config.json beside the checkpoint and load its weights strictly.
+
+    Built on the meta device and assigned the memory-mapped tensors, so nothing is copied before
+    the move to `device`. Quantized checkpoints carry their own settings (never read from the
+    name). tp: the Dist of maybe_init_dist (under torchrun): keep this rank's tensor-parallel
+    shard, cut while the weights are still memory-mapped, so only the shard reaches the device.
+    """
+    config = checkpoint_config(checkpoint_path)
+    with torch.device("meta"):
+        model = Transformer(config)
+    state_dict, quantization = read_checkpoint(checkpoint_path)
+    if quantization is not None:
+        import quantized
+        quantized.prepare_model(model, quantization)
+    model.load_state_dict(with_tied_output(state_dict, config), assign=True, strict=True)
+    if config.tie_embeddings and quantization is None:
+        model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
+    if tp is not None:
+        from tp import apply_tp
+        apply_tp(model, tp.rank, tp.world_size)
+    model = model.to(device=device, dtype=precision)
+    if quantization is not None:
+        quantized.finalize_model(model, quantization, device=device, precision=precision)
+    return model.eval()
+
+
+def weights(model: Transformer):
+    """(name, tensor) for each parameter and buffer of the model but its KV caches."""
+    caches = {id(b) for m in model.modules() if hasattr(m, "k_cache") for b in (m.k_cache, m.v_cache)}
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if id(t) not in caches:
+            yield name, t
+
+
+def model_bytes(model: Transformer) -> int:
+    """Bytes of weights read per decoded token (MoE: only the activated experts)."""
+    total = 0
+    for name, t in weights(model):
+        if name.endswith("rope_cos_sin"):
+            continue
+        size = t.numel() * t.element_size()
+        if model.config.num_experts and ".feed_forward.w" in name:
+            size = size * model.config.num_activated_experts // model.config.num_experts
+        total += size
+    return total

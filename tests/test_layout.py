@@ -1,0 +1,91 @@
+"""The shape of the code: imports point down toward model.py, with no cycle, and a command-line
+script is imported by nothing but scripts/ (read from the source, lazy imports included)."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Command-line drivers: what they hold is for users, not for other files of the library.
+CLIS = {"generate", "eval", "quantize", "server"}
+
+
+def local_modules() -> dict:
+    """Module name ("load", "scripts.bench") -> its file, for the top-level files and scripts/."""
+    files = [*ROOT.glob("*.py"), *(ROOT / "scripts").glob("*.py")]
+    return {".".join(f.relative_to(ROOT).with_suffix("").parts): f for f in files}
+
+
+def imports(path: Path, known: set) -> set:
+    """The local modules a file imports anywhere in it (top level or inside functions)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n in known)
+    return found
+
+
+def import_graph() -> dict:
+    modules = local_modules()
+    return {name: imports(path, set(modules)) - {name} for name, path in modules.items()}
+
+
+def find_cycle(graph: dict):
+    state = {}  # name -> "open" while on the DFS stack, "done" after
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt, stack + [nxt])
+                if cycle:
+                    return cycle
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node, [node])
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_graph_is_read():
+    graph = import_graph()
+    assert {"model", "load", "decode", "generate", "scripts.bench"} <= set(graph)
+    assert "model" in graph["load"] and "load" in graph["generate"]
+    assert "quantized" in graph["load"]  # a lazy import inside a function counts
+
+
+def test_no_import_cycle():
+    assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()))
+
+
+def test_imports_point_down():
+    for name, deps in import_graph().items():
+        if not name.startswith("scripts."):
+            assert not {d for d in deps if d.startswith("scripts.")}, f"{name} imports from scripts/: {deps}"
+            assert not deps & CLIS, f"{name} imports a command-line script: {deps & CLIS}"
+    assert not import_graph()["model"], "model.py is the ground floor: it imports nothing of ours"
+
+
+def test_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_generate_imports_no_parallel_or_quantization_code():
+    probe = ("import sys, generate; print(sorted(m for m in ('tp', 'quantize', 'quantized', 'GPTQ', "
+             "'torch.distributed._functional_collectives') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+    assert r.stderr == ""  # importing prints nothing
