@@ -155,6 +155,8 @@ def test_compiled_cpu_step_freezes_and_matches_eager(converted, dtype):
         model(prompt, torch.arange(5))
         eager = model(torch.tensor([[3]]), pos).float()
         compiled = step(model, torch.tensor([[3]]), pos).float()  # rewrites the same cache row
-    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > 0, "freezing was not applied"
+    # oneDNN packs bf16 weights only on CPUs with bf16 instructions (AVX-512 BF16, AMX); fp32 always.
+    if dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > 0, "freezing was not applied"
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(compiled, eager, atol=tol * eager.abs().max().item(), rtol=tol)
