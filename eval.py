@@ -9,14 +9,11 @@
 greedy or sampled generation with stop strings); `make_lm` wraps it as an lm_eval `LM`.
 lm-evaluation-harness is optional: --perplexity runs without it.
 
-Batching: scoring right-pads a batch, which a causal model never sees. Generation shares one
-input_pos across the batch and the attention mask is causal by position only, so a left-padded
-row would attend to its padding: a generation batch holds prompts of equal length only
-(requests are sorted by length, so equal lengths meet), which keeps every answer exactly what
-batch size 1 gives.
+Batching: scoring right-pads a batch, which a causal model never sees. Generation runs through
+the serving engine (engine.py), whose rows keep their own positions: prompts of any lengths
+share the --batch_size slots, and every answer is exactly what batch size 1 gives.
 """
 import argparse
-import itertools
 import json
 import math
 import sys
@@ -28,8 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from compiling import compile_step
-from decode import decode_one_token, sample
+from engine import Engine, Request
 from load import (PRECISIONS, atomic_write_text, check_device, default_device, default_precision, device_sync,
                   load_model, log, maybe_init_dist, rank0_output)
 from tokenizer import load_tokenizer
@@ -60,9 +56,9 @@ class Scorer:
         self.model, self.tokenizer = model, tokenizer
         self.max_length, self.batch_size = max_length, batch_size
         self.device = model.tok_embeddings.weight.device
-        # Scoring and prefill take varying lengths (dynamic shapes); decode is the compiled decode step.
+        # Scoring takes varying lengths (dynamic shapes); generation runs through the engine.
         self.forward = torch.compile(model, dynamic=True) if compile else model
-        self.decode = compile_step(decode_one_token, self.device.type) if compile else decode_one_token
+        self.compile, self.engine = compile, None
 
     def _setup_caches(self, batch_size: int, length: int):
         self.model.setup_caches(max_batch_size=max(batch_size, self.model.max_batch_size),
@@ -99,50 +95,23 @@ class Scorer:
                     bar.update(len(by_input[inp]))
         return results
 
-    @torch.no_grad()
     def generate(self, contexts: list, until: list, max_new_tokens: int, sampling: dict,
                  desc: str = "generating") -> list:
         """Continue each context (token list) until a stop string, an EOS token or max_new_tokens;
-        returns the decoded continuations (stop strings still in them: lm_eval cuts them)."""
+        returns the decoded continuations, cut before the first stop string. The contexts run
+        through the serving engine: any lengths decode together, each exactly as it would alone."""
         if max_new_tokens >= self.max_length:
             raise ValueError(f"a task asks for {max_new_tokens} new tokens, not fewer than --max_seq_length "
                              f"{self.max_length}; raise --max_seq_length")
         keep = self.max_length - max_new_tokens  # room for the answer: contexts lose their oldest tokens
-        contexts = [c[-keep:] for c in contexts]
-        order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]), reverse=True)
-        results = [None] * len(contexts)
+        requests = [Request(c[-keep:], max_new_tokens, temperature=sampling.get("temperature") or 0.0,
+                            top_k=sampling.get("top_k") or 0, top_p=sampling.get("top_p") or 1.0, stop=until)
+                    for c in contexts]
+        if self.engine is None:  # built once: with --compile its decode step compiles once
+            self.engine = Engine(self.model, self.tokenizer, self.batch_size, self.max_length, compile=self.compile)
         with progress(len(contexts), desc) as bar:
-            for _, same_length in itertools.groupby(order, key=lambda i: len(contexts[i])):
-                for batch in _chunks(list(same_length), self.batch_size):
-                    texts = self._generate_batch([contexts[i] for i in batch], until, max_new_tokens, sampling)
-                    for i, text in zip(batch, texts):
-                        results[i] = text
-                    bar.update(len(batch))
-        return results
-
-    def _generate_batch(self, prompts: list, until: list, max_new_tokens: int, sampling: dict) -> list:
-        B, T = len(prompts), len(prompts[0])
-        eos_ids = set(self.tokenizer.eos_ids)
-        self._setup_caches(B, T + max_new_tokens)
-        x = torch.tensor(prompts, device=self.device)
-        token = sample(self.forward(x, torch.arange(T, device=self.device))[:, -1], **sampling)[0]  # (B, 1)
-        generated = [[] for _ in range(B)]
-        done = [False] * B
-        for step in range(max_new_tokens):
-            for row, t in enumerate(token[:, 0].tolist()):
-                if done[row]:
-                    continue
-                if t in eos_ids:
-                    done[row] = True
-                    continue
-                generated[row].append(t)
-                text = self.tokenizer.decode(generated[row])
-                done[row] = any(stop in text for stop in until)
-            if all(done) or step == max_new_tokens - 1:
-                break
-            input_pos = torch.tensor([T + step], device=self.device, dtype=torch.int)
-            token, _ = self.decode(self.model, token.clone(), input_pos, **sampling)
-        return [self.tokenizer.decode(g) for g in generated]
+            results = self.engine.generate(requests, on_finish=lambda i: bar.update())
+        return [r.text for r in results]
 
     def perplexity(self, tokens: list, stride: int) -> tuple:
         """Hugging Face's strided perplexity: windows of max_length tokens start every `stride`

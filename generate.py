@@ -19,8 +19,9 @@ from torch import Tensor
 import speculative
 from compiling import compile_prefill as compile_prefill_step, compile_step
 from decode import check_context, decode_one_token, generate, prefill, trim_at_eos
-from load import (DEFAULT_CHECKPOINT, PRECISIONS, check_device, default_device, default_precision, device_sync,
-                  load_model, log, maybe_init_dist, model_bytes, rank0_output)
+from engine import DEFAULT_PREFILL_CHUNK, Engine, Request, check_request
+from load import (DEFAULT_CHECKPOINT, PRECISIONS, atomic_write_text, check_device, default_device, default_precision,
+                  device_sync, load_model, log, maybe_init_dist, model_bytes, rank0_output)
 from model import ModelArgs
 from tokenizer import load_tokenizer
 
@@ -79,11 +80,93 @@ def synthetic_prompt(length: int, config: ModelArgs) -> list:
     return torch.randint(0, min(config.vocab_size, 1000), (length,), generator=g).tolist()
 
 
+# What a line of a .jsonl prompts file may set, and the type each setting must have.
+PROMPT_SETTINGS = {"max_new_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int,
+                   "seed": int, "stop": (str, list)}
+
+
+def read_prompts_file(path: Path) -> list:
+    """[(line number, {"prompt": ..., settings})]: a .txt file holds a prompt per line (blank lines
+    skipped), a .jsonl file an object per line with "prompt" and any of PROMPT_SETTINGS."""
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompts_file {path}: no such file")
+    items = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            items.append((n, {"prompt": line}))
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not a JSON object ({e.msg})") from None
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+            raise ValueError(f'{path}:{n}: each line must be a JSON object with a "prompt" string')
+        for key, value in item.items():
+            if key != "prompt" and key not in PROMPT_SETTINGS:
+                raise ValueError(f"{path}:{n}: unknown setting {key!r}; allowed: prompt, {', '.join(PROMPT_SETTINGS)}")
+            if key in PROMPT_SETTINGS and (not isinstance(value, PROMPT_SETTINGS[key]) or isinstance(value, bool)
+                                           or key == "stop" and isinstance(value, list)
+                                           and not all(isinstance(v, str) for v in value)):
+                raise ValueError(f"{path}:{n}: {key} has the wrong type ({type(value).__name__})")
+        items.append((n, item))
+    if not items:
+        raise ValueError(f"--prompts_file {path} holds no prompt")
+    return items
+
+
+def run_prompts_file(model, tokenizer, prompts_file: Path, output: Optional[Path], chat: bool, max_new_tokens: int,
+                     sampling: dict, eos_ids: list, seed: int, max_batch_size: int, max_seq_length: Optional[int],
+                     prefill_chunk: int, compile: bool, write: bool):
+    """Every prompt of the file through the engine (continuous batching); JSONL results in input order."""
+    from tqdm import tqdm  # ships with huggingface_hub
+
+    items = read_prompts_file(prompts_file)
+    requests = []
+    for n, item in items:
+        stop = item.get("stop", [])
+        requests.append(Request(
+            encode_prompt(tokenizer, item["prompt"], chat), item.get("max_new_tokens", max_new_tokens),
+            temperature=item.get("temperature", sampling["temperature"]), top_k=item.get("top_k", sampling["top_k"] or 0),
+            top_p=item.get("top_p", sampling["top_p"] or 1.0), seed=item.get("seed"),
+            stop=[stop] if isinstance(stop, str) else stop, eos_ids=eos_ids))
+    max_seq_length = max_seq_length or min(model.config.block_size, max(len(r.prompt) + r.max_new_tokens
+                                                                        for r in requests))
+    for (n, _), request in zip(items, requests):
+        try:
+            check_request(request, max_seq_length, model.config.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"{prompts_file}:{n}: {e}") from None
+    engine = Engine(model, tokenizer, max_batch_size, max_seq_length, prefill_chunk, compile, seed)
+    t0 = time.perf_counter()
+    with tqdm(total=len(requests), desc="prompts", file=sys.stderr, disable=not write) as bar:
+        results = engine.generate(requests, on_finish=lambda i: bar.update())
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(r.token_ids) for r in results)
+    log(f"{len(results)} prompts, {tokens} tokens generated in {elapsed:.2f} s: {tokens / elapsed:.2f} tokens/sec "
+        f"({max_batch_size} slots{', compile included' if compile else ''})")
+    lines = "".join(json.dumps({"prompt": item["prompt"], "text": r.text, "tokens": len(r.token_ids),
+                                "finish_reason": r.finish_reason}) + "\n" for (_, item), r in zip(items, results))
+    if not write:
+        return
+    if output is None:
+        sys.stdout.write(lines)
+    else:
+        atomic_write_text(output, lines)
+        log(f"Results written to {output}")
+
+
 def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, chat: Optional[bool], num_samples: int,
-         max_new_tokens: int, batch_size: int, temperature: float, top_k: Optional[int], top_p: Optional[float], checkpoint_path: Optional[Path],
-         compile: bool, compile_prefill: bool, device: Optional[str], precision: Optional[str],
-         profile: Optional[Path], seed: int, ignore_eos: bool, draft_checkpoint_path: Optional[Path],
-         speculate_k: int, speculate_ngram: Optional[int]):
+         max_new_tokens: int, batch_size: int, temperature: float, top_k: Optional[int], top_p: Optional[float],
+         checkpoint_path: Optional[Path], compile: bool, compile_prefill: bool, device: Optional[str],
+         precision: Optional[str], profile: Optional[Path], seed: int, ignore_eos: bool,
+         draft_checkpoint_path: Optional[Path], speculate_k: int, speculate_ngram: Optional[int],
+         prompts_file: Optional[Path], output: Optional[Path], max_batch_size: int, max_seq_length: Optional[int],
+         prefill_chunk: int):
+    if prompts_file is not None and (interactive or draft_checkpoint_path or speculate_ngram or batch_size != 1):
+        raise ValueError("--prompts_file runs the prompts through the serving engine; it does not combine with "
+                         "--interactive, speculative decoding or --batch_size (use --max_batch_size)")
     if checkpoint_path is None:
         checkpoint_path = DEFAULT_CHECKPOINT
         if not checkpoint_path.is_file():
@@ -132,6 +215,10 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
 
     if interactive:
         return chat_loop(model, tokenizer, device, max_new_tokens, generate_fn, sampling)
+    if prompts_file is not None:
+        return run_prompts_file(model, tokenizer, prompts_file, output, chat, max_new_tokens, sampling, eos_ids, seed,
+                                max_batch_size, max_seq_length, prefill_chunk, compile,
+                                write=dist is None or dist.rank == 0)
 
     if synthetic_prompt_len is not None:
         check_context(model.config, synthetic_prompt_len, max_new_tokens)  # before allocating it
@@ -240,6 +327,16 @@ def parse_args(argv=None):
                    help="speculative decoding without a draft model: propose the tokens that followed the "
                         "latest earlier occurrence of the last N (down to 1) tokens (prompt lookup)")
     p.add_argument("--speculate_k", type=int, default=5, help="draft tokens the target verifies per forward")
+    g = p.add_argument_group("batch inference", "many prompts through the serving engine (engine.py)")
+    g.add_argument("--prompts_file", type=Path, default=None,
+                   help="a .txt file (a prompt per line) or .jsonl file (objects with \"prompt\" and optional "
+                        "max_new_tokens, temperature, top_p, top_k, seed, stop): one JSON result per prompt")
+    g.add_argument("--output", type=Path, default=None, help="write the JSONL results here instead of stdout")
+    g.add_argument("--max_batch_size", type=int, default=8, help="KV cache slots: requests decoded together")
+    g.add_argument("--max_seq_length", type=int, default=None,
+                   help="positions per slot (default: the longest prompt plus its max_new_tokens)")
+    g.add_argument("--prefill_chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help="the most prompt tokens prefilled per engine step, beside the decode step")
     return p.parse_args(argv)
 
 

@@ -106,18 +106,36 @@ PRESETS.update({
 
 
 class KVCache(nn.Module):
+    """K/V of max_batch_size rows ("slots"), each up to max_seq_length positions."""
+
     def __init__(self, max_batch_size, max_seq_length, n_heads, head_dim, dtype):
         super().__init__()
         shape = (max_batch_size, n_heads, max_seq_length, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor):
-        # input_pos: [T], k/v: [B, H, T, D]. Rows past the batch keep stale values and are never read.
-        B = k.shape[0]
-        self.k_cache[:B, :, input_pos] = k
-        self.v_cache[:B, :, input_pos] = v
-        return self.k_cache[:B], self.v_cache[:B]
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Optional[Tensor] = None):
+        """Write k/v [B, H, T, D] at positions input_pos ([T], or [B, T]: each row its own) of cache
+        rows `rows` [B] (default 0..B-1). Positions past what a row has written hold stale values
+        (an earlier occupant's, or padding): the mask never lets a query see them."""
+        if rows is None and input_pos.dim() == 1:
+            B = k.shape[0]
+            self.k_cache[:B, :, input_pos] = k
+            self.v_cache[:B, :, input_pos] = v
+            return
+        B, _, T, _ = k.shape
+        rows = torch.arange(B, device=k.device) if rows is None else rows
+        pos = input_pos.expand(B, T)
+        self.k_cache[rows[:, None], :, pos] = k.transpose(1, 2)  # indexed (B, T, H, D)
+        self.v_cache[rows[:, None], :, pos] = v.transpose(1, 2)
+
+    def read(self, B: int, rows: Optional[Tensor] = None, length: Optional[int] = None):
+        """K/V [B, H, S, D] of cache rows `rows` (default: a view of rows 0..B-1), S = the first
+        `length` positions (default all)."""
+        k, v = (self.k_cache[:B], self.v_cache[:B]) if rows is None else (self.k_cache[rows], self.v_cache[rows])
+        if length is not None:
+            k, v = k[:, :, :length], v[:, :, :length]
+        return k, v
 
 
 class Transformer(nn.Module):
@@ -152,30 +170,45 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos_sin", precompute_rope(max_seq_length, c.head_dim, c.rope_base,
                                                              c.rope_scaling).to(device), persistent=False)
 
-    def forward(self, idx: Tensor, input_pos: Tensor, last_only: bool = False, from_start: bool = False) -> Tensor:
-        """idx: [B, T] token ids at positions input_pos [T]; returns logits [B, T, vocab].
+    def forward(self, idx: Tensor, input_pos: Tensor, last_only: bool = False, from_start: bool = False,
+                cache_rows: Optional[Tensor] = None, logits_at: Optional[Tensor] = None,
+                kv_len: Optional[int] = None) -> Tensor:
+        """idx: [B, T] token ids at positions input_pos, [T] (every row the same) or [B, T] (each
+        row its own: a batch of independent sequences); returns logits [B, T, vocab].
+
+        cache_rows [B]: the KV cache rows (slots) the batch's rows read and write (default 0..B-1).
+        kv_len: attend to the first kv_len cache positions only (default: the whole cache); every
+        query must lie below it.
 
         A prompt's prefill says what it knows: last_only computes logits for the last position only
-        ([B, 1, vocab]; the output projection over a whole prompt is a large part of a small model's
-        prefill), and from_start says that input_pos is arange(T), so attention needs nothing from
-        the cache and runs as SDPA's causal kernel over the prompt, cheaper than a mask over the cache.
+        and logits_at [B] for one position per row ([B, 1, vocab]; the output projection over a
+        whole prompt is a large part of a small model's prefill); from_start says that every row's
+        positions are arange(T), so attention needs nothing from the cache and runs as SDPA's
+        causal kernel over the prompt, cheaper than a mask over the cache.
         """
         if self.max_seq_length < 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before the forward pass")
-        rope = self.rope_cos_sin[input_pos]  # (T, head_dim, 2)
+        rope = self.rope_cos_sin[input_pos]  # (T, head_dim, 2) or (B, T, head_dim, 2)
         window = self.config.sliding_window
         mask = None  # None: causal within idx
         if not (from_start and (window is None or idx.shape[1] <= window)):
             # Key position j is visible from query position i when j <= i (and within the window).
-            k_pos = torch.arange(self.max_seq_length, device=idx.device)
-            mask = k_pos[None, :] <= input_pos[:, None]  # (T, S)
+            k_pos = torch.arange(kv_len or self.max_seq_length, device=idx.device)
+            q_pos = input_pos[..., None]  # (T, 1) or (B, T, 1)
+            mask = k_pos <= q_pos  # (T, S) or (B, T, S)
             if window is not None:
-                mask = mask & (k_pos[None, :] > input_pos[:, None] - window)
-            mask = mask.repeat(self.config.n_head // self.config.n_local_heads, 1)  # rows per query head of a group
+                mask = mask & (k_pos > q_pos - window)
+            # Rows per query head of a GQA group, as Attention folds them: (rep * T, S) or (B, 1, rep * T, S).
+            rep = self.config.n_head // self.config.n_local_heads
+            mask = mask.repeat(rep, 1) if mask.dim() == 2 else mask.repeat(1, rep, 1)[:, None]
         x = self.tok_embeddings(idx)
         for layer in self.layers:
-            x = layer(x, input_pos, rope, mask)
-        return self.output(self.norm(x[:, -1:] if last_only else x))
+            x = layer(x, input_pos, rope, mask, cache_rows)
+        if logits_at is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]  # (B, 1, D)
+        elif last_only:
+            x = x[:, -1:]
+        return self.output(self.norm(x))
 
 
 class TransformerBlock(nn.Module):
@@ -186,8 +219,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Optional[Tensor]) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), input_pos, rope, mask)
+    def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Optional[Tensor],
+                cache_rows: Optional[Tensor] = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), input_pos, rope, mask, cache_rows)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -201,9 +235,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
 
-    def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Optional[Tensor]) -> Tensor:
-        """mask: (n_head // n_local_heads * T, S), True where a query row may see a cache position;
-        None when x is the whole sequence so far (from position 0): causal attention within x."""
+    def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Optional[Tensor],
+                cache_rows: Optional[Tensor] = None) -> Tensor:
+        """mask: (n_head // n_local_heads * T, S), or (B, 1, that, S) with per-row positions, True
+        where a query row may see a cache position; None when x is the whole sequence so far (from
+        position 0): causal attention within x."""
         B, T, _ = x.shape
         q_dim, kv_dim = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
@@ -212,11 +248,11 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_local_heads, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
+        self.kv_cache.update(input_pos, k, v, cache_rows)
         if mask is None:
-            self.kv_cache.update(input_pos, k, v)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
             return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
-        k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv, S, hd)
+        k, v = self.kv_cache.read(B, cache_rows, mask.shape[-1])  # (B, n_kv, S, hd)
         # GQA: the query heads that share a key/value head become rows of one attention over it.
         # SDPA's own enable_gqa gives the same result but runs far slower in bf16 on the CPU at long
         # contexts (README, How it works).
@@ -358,8 +394,9 @@ def precompute_rope(seq_len: int, head_dim: int, base: float, scaling: Optional[
 
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    # x: (B, T, nh, hd); rope: (T, hd, 2). Rotates dimension i with i + hd/2 (rotate_half).
-    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    # x: (B, T, nh, hd); rope: (T, hd, 2) or (B, T, hd, 2). Rotates dimension i with i + hd/2 (rotate_half).
+    rope = rope.expand(x.shape[0], *rope.shape[-3:])  # (B, T, hd, 2)
+    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)

@@ -133,6 +133,24 @@ def test_generate_cli_under_torchrun(checkpoints, capsys):
     assert run.stderr.count("Loaded ") == 1 and run.stderr.count("Average tokens/sec") == 1
 
 
+def test_engine_under_torchrun(checkpoints, tmp_path, capsys):
+    """generate.py --prompts_file under torchrun: every rank runs the engine's schedule on its shard;
+    the JSONL equals the single process's, sampled prompts included, written once."""
+    path = checkpoints["qwen2_int8"]  # decisive logits (a random MoE's router has near-ties)
+    save_byte_tokenizer(path.parent)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in [
+        {"prompt": "Hi"}, {"prompt": "A much longer prompt than the first one, " * 3, "max_new_tokens": 7},
+        {"prompt": "Sampled", "temperature": 1.0, "seed": 3}, {"prompt": "x"}]))
+    args = ["--checkpoint_path", str(path), "--prompts_file", str(prompts), "--temperature", "0",
+            "--max_new_tokens", "12", "--max_batch_size", "2", "--prefill_chunk", "16", "--device", "cpu"]
+    cli(args + ["--output", str(tmp_path / "single.jsonl")])
+    run = torchrun("generate.py", *args, "--output", tmp_path / "tp.jsonl")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "tp.jsonl").read_text() == (tmp_path / "single.jsonl").read_text()
+    assert run.stderr.count("Results written") == 1
+
+
 @pytest.mark.slow
 def test_speculative_under_torchrun(checkpoints, capsys):
     """A sharded target verifies the drafts of a whole (unsharded) int8 draft on every rank;

@@ -1,0 +1,341 @@
+# Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
+"""A serving engine: many independent requests decoded together on the static KV cache.
+
+The cache holds max_batch_size rows ("slots"). A request waits for a free slot, is prefilled into
+it, then decodes with every other active slot in one step of static shape [max_batch_size, 1]
+(the one graph `--compile` captures); when it finishes its slot is free for the next waiting
+request at once (continuous batching). Each step does at most `prefill_chunk` tokens of prefill
+beside the decode step, so a long prompt loads in chunks while the running streams keep going;
+fresh short prompts that fit the chunk together are prefilled in one padded forward.
+
+A slot's cache row is never cleared: positions past what its current request wrote hold another
+request's values, and the causal mask (keys at positions <= the query's) never lets it see them.
+
+    engine = Engine(model, tokenizer, max_batch_size=8)
+    results = engine.generate([Request(tokenizer.encode("Hello"), max_new_tokens=32), ...])
+
+A server calls `add` / `abort` from its own thread and runs `step` in a loop (`run_forever`).
+"""
+import random
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from compiling import compile_step, skip_guards
+from decode import sample_rows
+from model import Transformer
+
+DEFAULT_PREFILL_CHUNK = 512
+
+
+@dataclass
+class Request:
+    """What one caller asks for. prompt: token ids. seed None: one drawn from the engine's seed."""
+    prompt: Sequence[int]
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop: Sequence[str] = ()  # stop strings: the text ends before the first one
+    eos_ids: Optional[Sequence[int]] = None  # None: the tokenizer's
+    logprobs: Optional[int] = None  # None: none; n >= 0: each token's log-probability and the n most likely
+    on_output: Optional[Callable[["Output"], None]] = None  # called from the engine's thread
+
+
+@dataclass
+class Output:
+    """New text of one request since its last output; finish_reason set on its last one."""
+    request_id: int
+    text: str
+    token_ids: list
+    logprobs: list = field(default_factory=list)  # per new token: (logprob, [(token id, logprob), ...])
+    finish_reason: Optional[str] = None  # "stop" (EOS or stop string), "length", "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # so far
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list
+    finish_reason: str
+    logprobs: list
+
+
+class _Sequence:
+    """A request in a slot: its prompt, what it generated, and how far its cache row is written."""
+
+    def __init__(self, request_id: int, request: Request, eos_ids, seed: int):
+        self.id, self.request = request_id, request
+        self.prompt = list(request.prompt)
+        self.eos = set(eos_ids)
+        self.seed = seed
+        self.cached = 0  # positions of this sequence written into its cache row
+        self.generated: list = []
+        self.next_token: Optional[int] = None  # sampled, not yet in the cache
+        self.text_sent = 0  # characters of text already emitted
+        self.finish_reason: Optional[str] = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.cached < len(self.prompt)
+
+
+def check_request(request: Request, max_seq_length: int, vocab_size: int):
+    if len(request.prompt) == 0:
+        raise ValueError("the prompt is empty (and this tokenizer adds no BOS): give at least one token")
+    if request.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {request.max_new_tokens}")
+    if len(request.prompt) + request.max_new_tokens > max_seq_length:
+        raise ValueError(f"the prompt ({len(request.prompt)} tokens) plus max_new_tokens ({request.max_new_tokens}) "
+                         f"exceeds the context of {max_seq_length} tokens; shorten the prompt or lower max_new_tokens")
+    if not all(0 <= t < vocab_size for t in request.prompt):
+        raise ValueError(f"the prompt holds token ids outside the vocabulary (0..{vocab_size - 1})")
+    if not (request.temperature >= 0 and request.temperature != float("inf")):
+        raise ValueError(f"temperature must be a finite number >= 0, got {request.temperature}")
+    if not 0 < request.top_p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1], got {request.top_p}")
+    if request.top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0: off), got {request.top_k}")
+
+
+def decode_step(model: Transformer, x: Tensor, input_pos: Tensor) -> Tensor:
+    """x [B, 1] at per-row positions input_pos [B, 1] -> logits [B, V]: the step compile_step compiles."""
+    return model(x, input_pos)[:, -1]
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer, max_batch_size: int = 8, max_seq_length: Optional[int] = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, compile: bool = False, seed: int = 0):
+        if max_batch_size < 1 or prefill_chunk < 1:
+            raise ValueError(f"max_batch_size and prefill_chunk must be at least 1, got {max_batch_size} and "
+                             f"{prefill_chunk}")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_seq_length = max_seq_length or model.config.block_size
+        self.prefill_chunk = prefill_chunk
+        self.device = model.norm.weight.device
+        model.setup_caches(max_batch_size, self.max_seq_length)
+        self.compiled = compile
+        self.decode_fn = compile_step(decode_step, self.device.type) if compile else None
+        self.slots: list = [None] * max_batch_size  # slot -> _Sequence or None
+        self.waiting: deque = deque()
+        self.live: dict = {}  # request id -> _Sequence, waiting or in a slot
+        self.aborted: set = set()
+        self.lock = threading.Lock()  # add / abort may come from other threads than step's
+        self.wakeup = threading.Event()
+        self.rng = random.Random(seed)
+        self.next_id = 0
+        self.decode_steps = 0
+
+    # -- what callers use ----------------------------------------------------------------------
+
+    def add(self, request: Request) -> int:
+        """Queue a request; returns its id. Raises ValueError (before queueing) for a bad one."""
+        check_request(request, self.max_seq_length, self.model.config.vocab_size)
+        with self.lock:
+            request_id, self.next_id = self.next_id, self.next_id + 1
+            seed = request.seed if request.seed is not None else self.rng.getrandbits(63)
+            eos = self.tokenizer.eos_ids if request.eos_ids is None else request.eos_ids
+            self.live[request_id] = seq = _Sequence(request_id, request, eos, seed)
+            self.waiting.append(seq)
+        self.wakeup.set()
+        return request_id
+
+    def abort(self, request_id: int):
+        """Stop a request (a client went away); its slot is free after the current step."""
+        with self.lock:
+            self.aborted.add(request_id)
+        self.wakeup.set()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    def stats(self) -> dict:
+        return dict(waiting=len(self.waiting), active=sum(s is not None for s in self.slots))
+
+    def generate(self, requests: Sequence[Request], on_finish: Optional[Callable[[int], None]] = None) -> list:
+        """Run requests to completion (offline batch inference); results in the requests' order."""
+        ids = [self.add(r) for r in requests]
+        index = {request_id: i for i, request_id in enumerate(ids)}
+        results = [Result("", [], "", []) for _ in requests]
+        while self.has_work():
+            for out in self.step():
+                r = results[index[out.request_id]]
+                r.text += out.text
+                r.token_ids += out.token_ids
+                r.logprobs += out.logprobs
+                if out.finish_reason:
+                    r.finish_reason = out.finish_reason
+                    if on_finish is not None:
+                        on_finish(index[out.request_id])
+        return results
+
+    def run_forever(self, stop: threading.Event):
+        """Step while there is work, sleep while there is none, until `stop` is set (a server's loop)."""
+        while not stop.is_set():
+            if not self.has_work():
+                self.wakeup.wait(timeout=0.1)
+                self.wakeup.clear()
+                continue
+            self.step()
+
+    # -- one iteration -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> list:
+        """Admit waiting requests, prefill one chunk, decode one token for every decoding slot."""
+        outputs = []
+        self._admit(outputs)
+        self._prefill(outputs)
+        self._decode(outputs)
+        for i, seq in enumerate(self.slots):
+            if seq is not None and seq.finish_reason is not None:
+                self.slots[i] = None
+        for out in outputs:
+            callback = self.live[out.request_id].request.on_output
+            if out.finish_reason is not None:
+                with self.lock:
+                    del self.live[out.request_id]
+            if callback is not None:
+                callback(out)
+        return outputs
+
+    def _admit(self, outputs: list):
+        with self.lock:
+            aborted, self.aborted = self.aborted, set()
+            for seq in [s for s in self.waiting if s.id in aborted]:
+                self.waiting.remove(seq)
+                self._finish(seq, "abort", outputs)
+            for i, seq in enumerate(self.slots):
+                if seq is not None and seq.id in aborted:
+                    self._finish(seq, "abort", outputs)
+                elif seq is None and self.waiting:
+                    self.slots[i] = self.waiting.popleft()
+
+    def _prefill(self, outputs: list):
+        todo = [(i, s) for i, s in enumerate(self.slots) if s is not None and s.prefilling and s.finish_reason is None]
+        if not todo:
+            return
+        # Fresh prompts that fit the chunk together: one right-padded forward (causal attention
+        # never looks right, so the padding is invisible to each row's real tokens).
+        group, longest = [], 0
+        for i, s in todo:
+            if s.cached == 0 and max(longest, len(s.prompt)) * (len(group) + 1) <= self.prefill_chunk:
+                group.append((i, s))
+                longest = max(longest, len(s.prompt))
+        if len(group) > 1:
+            x = torch.zeros(len(group), longest, dtype=torch.long)
+            for row, (_, s) in enumerate(group):
+                x[row, :len(s.prompt)] = torch.tensor(s.prompt)
+            lengths = torch.tensor([len(s.prompt) for _, s in group], device=self.device)
+            rows = torch.tensor([i for i, _ in group], device=self.device)
+            logits = self.model(x.to(self.device), torch.arange(longest, device=self.device), from_start=True,
+                                cache_rows=rows, logits_at=lengths - 1, kv_len=longest)[:, -1]
+            for _, s in group:
+                s.cached = len(s.prompt)
+            self._sample([s for _, s in group], logits, outputs)
+            return
+        # Otherwise the next chunk of the oldest prefilling request.
+        i, s = todo[0]
+        start = s.cached
+        end = min(len(s.prompt), start + self.prefill_chunk)
+        x = torch.tensor([s.prompt[start:end]], device=self.device)
+        logits = self.model(x, torch.arange(start, end, device=self.device), last_only=True, from_start=start == 0,
+                            cache_rows=torch.tensor([i], device=self.device), kv_len=end)[:, -1]
+        s.cached = end
+        if not s.prefilling:
+            self._sample([s], logits, outputs)
+
+    def _decode(self, outputs: list):
+        active = [s is not None and s.next_token is not None and s.finish_reason is None for s in self.slots]
+        if not any(active):
+            return
+        B = self.max_batch_size
+        tokens = torch.zeros(B, 1, dtype=torch.long)
+        pos = torch.zeros(B, 1, dtype=torch.int)
+        for i, s in enumerate(self.slots):
+            if s is None:
+                continue
+            # Rows that do not decode write garbage at a position their own request writes
+            # again before reading it (a prefilling slot's next position), or in a free slot.
+            pos[i, 0] = s.cached
+            if active[i]:
+                tokens[i, 0] = s.next_token
+        kv_len = None
+        if not self.compiled:  # eager: attend only to the positions in use (compiled shapes stay static)
+            kv_len = min(self.max_seq_length, -(-(int(pos.max()) + 1) // 256) * 256)
+        with skip_guards(self.decode_steps > 0):
+            if self.compiled:
+                logits = self.decode_fn(self.model, tokens.to(self.device), pos.to(self.device))
+            else:
+                logits = self.model(tokens.to(self.device), pos.to(self.device), kv_len=kv_len)[:, -1]
+        self.decode_steps += 1
+        rows = [i for i in range(B) if active[i]]
+        for i in rows:
+            self.slots[i].cached += 1
+        self._sample([self.slots[i] for i in rows], logits[rows], outputs)
+
+    def _sample(self, seqs: list, logits: Tensor, outputs: list):
+        """logits [len(seqs), V] at each sequence's last position -> its next token, and outputs."""
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=logits.device)
+        reqs = [s.request for s in seqs]
+        tokens = sample_rows(logits, column([r.temperature for r in reqs], torch.float),
+                             column([r.top_k for r in reqs], torch.long), column([r.top_p for r in reqs], torch.float),
+                             column([s.seed for s in seqs], torch.long), column([len(s.generated) for s in seqs],
+                                                                                 torch.long),
+                             filtered=any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in reqs)).tolist()
+        want = [row for row, r in enumerate(reqs) if r.logprobs is not None]
+        logprobs = torch.log_softmax(logits[want].float(), dim=-1) if want else None
+        for row, (s, t) in enumerate(zip(seqs, tokens)):
+            lp = []
+            if s.request.logprobs is not None:
+                row_lp = logprobs[want.index(row)]
+                top = torch.topk(row_lp, s.request.logprobs) if s.request.logprobs else None
+                lp = [(float(row_lp[t]), list(zip(top.indices.tolist(), top.values.tolist())) if top else [])]
+            self._append(s, t, lp, outputs)
+
+    def _append(self, s: _Sequence, token: int, logprobs: list, outputs: list):
+        if token in s.eos:
+            return self._finish(s, "stop", outputs)
+        s.generated.append(token)
+        s.next_token = token
+        text = self.tokenizer.decode(s.generated)
+        stop_at = min((i for i in (text.find(stop, max(0, s.text_sent - len(stop))) for stop in s.request.stop)
+                       if i >= 0), default=-1)
+        if stop_at >= 0:
+            return self._finish(s, "stop", outputs, text[:stop_at], token, logprobs)
+        if len(s.generated) == s.request.max_new_tokens:
+            return self._finish(s, "length", outputs, text, token, logprobs)
+        # Hold back what may still change: an incomplete UTF-8 sequence, or the start of a stop string.
+        safe = len(text) - held_back(text, s.request.stop)
+        outputs.append(Output(s.id, text[s.text_sent:safe], [token], logprobs, None, len(s.prompt),
+                              len(s.generated)))
+        s.text_sent = max(s.text_sent, safe)
+
+    def _finish(self, s: _Sequence, reason: str, outputs: list, text: Optional[str] = None,
+                token: Optional[int] = None, logprobs: Sequence = ()):
+        if text is None:
+            text = self.tokenizer.decode(s.generated) if s.generated else ""
+            if s.request.stop:  # an EOS or an abort: the held-back text is final, up to a stop string
+                cut = min((i for i in (text.find(stop) for stop in s.request.stop) if i >= 0), default=len(text))
+                text = text[:cut]
+        s.finish_reason = reason
+        outputs.append(Output(s.id, text[s.text_sent:], [] if token is None else [token], list(logprobs), reason,
+                              len(s.prompt), len(s.generated)))
+        s.text_sent = len(text)
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters of text to hold back while streaming: a replacement character
+    (an incomplete UTF-8 sequence) or the longest tail that begins a stop string."""
+    if text.endswith("\ufffd"):
+        return len(text) - len(text.rstrip("\ufffd"))
+    return max((n for stop in stops for n in range(min(len(stop) - 1, len(text)), 0, -1)
+                if text.endswith(stop[:n])), default=0)

@@ -1,0 +1,309 @@
+"""The serving engine against single-stream generation: ragged batches, continuous batching,
+chunked prefill, slot reuse, seeded sampling, stop strings and bad requests."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_hf_model, save_and_convert, save_tokenizer
+from decode import generate
+from engine import Engine, Request, held_back
+from load import load_model
+from tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+LENGTHS = (1, 5, 17, 40, 100, 3, 300, 9)  # very different prompt lengths, a slot's later occupant shorter
+
+
+class IdTokenizer:
+    """Token ids as text: the engine's detokenizing and stop strings without a trained tokenizer."""
+    eos_ids = []
+
+    def decode(self, ids):
+        return "".join(f"<{i}>" for i in ids)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """family -> a loaded tiny model whose context fits the longest prompt plus its answer."""
+    cache = {}
+
+    def get(family, **overrides):
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in cache:
+            hf = make_hf_model(family, max_position_embeddings=384, **overrides)
+            cache[key] = load_model(save_and_convert(hf, tmp_path_factory.mktemp(family)))
+        return cache[key]
+    return get
+
+
+def prompts(lengths=LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+_ALONE = {}
+
+
+def alone(model, prompt, n, eos_ids=()):
+    """Greedy single-stream generation (decode.generate), up to the first EOS; memoised."""
+    key = (id(model), tuple(prompt), n, tuple(eos_ids))
+    if key not in _ALONE:
+        out = generate(model, torch.tensor(prompt), n, eos_ids=eos_ids, temperature=0.0)[0, len(prompt):].tolist()
+        _ALONE[key] = out[:min([out.index(e) for e in eos_ids if e in out], default=len(out))]
+    return _ALONE[key]
+
+
+@pytest.mark.parametrize("max_batch_size,prefill_chunk", [(8, 512), (3, 512), (4, 48), (1, 64)])
+def test_greedy_batch_equals_alone(tiny, max_batch_size, prefill_chunk):
+    """8 prompts of 1 to 300 tokens with different max tokens: every answer is what it is alone,
+    whether they fit the slots at once, queue for them (slots reused by shorter prompts), or load
+    in chunks while others decode."""
+    model = tiny("llama31")
+    ps = prompts()
+    max_new = [20, 7, 33, 12, 5, 28, 16, 9]
+    engine = Engine(model, IdTokenizer(), max_batch_size=max_batch_size, max_seq_length=340,
+                    prefill_chunk=prefill_chunk)
+    results = engine.generate([Request(p, n) for p, n in zip(ps, max_new)])
+    for p, n, r in zip(ps, max_new, results):
+        assert r.token_ids == alone(model, p, n)
+        assert r.finish_reason == "length" and r.text == IdTokenizer().decode(r.token_ids)
+    assert not engine.has_work() and all(s is None for s in engine.slots)
+
+
+def test_eos_ends_some_rows_and_frees_their_slots(tiny):
+    model = tiny("llama31")
+    ps = prompts()
+    expected = [alone(model, p, 24) for p in ps]
+    # Each request's own EOS: the 6th token it would generate (so it stops there), or one it never makes.
+    eos = [[e[5]] if i % 2 else [999] for i, e in enumerate(expected)]
+    results = Engine(model, IdTokenizer(), max_batch_size=3, max_seq_length=340).generate(
+        [Request(p, 24, eos_ids=e) for p, e in zip(ps, eos)])
+    for p, e, r in zip(ps, eos, results):
+        assert r.token_ids == alone(model, p, 24, e)
+        assert r.finish_reason == ("stop" if e != [999] else "length")
+
+
+def test_staggered_arrivals(tiny):
+    """Requests join while others decode and leave at different times."""
+    model = tiny("llama31")
+    ps = prompts()
+    engine = Engine(model, IdTokenizer(), max_batch_size=4, max_seq_length=340, prefill_chunk=32)
+    got, pending = {}, list(zip(ps, [15, 3, 22, 8, 11, 6, 9, 14]))
+    ids = {}
+    steps = 0
+    while pending or engine.has_work():
+        if pending and steps % 3 == 0:  # a new request every third step
+            p, n = pending.pop(0)
+            ids[engine.add(Request(p, n))] = (p, n)
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+        steps += 1
+    assert len(got) == len(ps)
+    for request_id, (p, n) in ids.items():
+        assert got[request_id] == alone(model, p, n)
+
+
+@pytest.mark.parametrize("family", ["mistral", "mixtral"])
+def test_sliding_window_and_moe(tiny, family):
+    """Mistral's 16-token window (prompts far longer) and Mixtral's experts through the engine."""
+    model = tiny(family)
+    ps = prompts((3, 40, 7, 90))
+    results = Engine(model, IdTokenizer(), max_batch_size=3, max_seq_length=200, prefill_chunk=32).generate(
+        [Request(p, 20) for p in ps])
+    for p, r in zip(ps, results):
+        assert r.token_ids == alone(model, p, 20)
+
+
+def test_chunked_prefill_equals_whole(tiny):
+    """A prompt prefilled in chunks into a slot gives the logits of one whole prefill."""
+    model = tiny("llama31")
+    prompt = torch.tensor([prompts((150,))[0]])
+    model.setup_caches(3, 200)
+    whole = model(prompt, torch.arange(150), from_start=True)[:, -1]
+    row = torch.tensor([2])
+    for start in range(0, 150, 40):
+        end = min(150, start + 40)
+        last = model(prompt[:, start:end], torch.arange(start, end), from_start=start == 0, cache_rows=row,
+                     kv_len=end, last_only=True)[:, -1]
+    torch.testing.assert_close(last, whole, atol=1e-4, rtol=1e-4)
+
+
+def test_per_row_positions_equal_separate_sequences(tiny):
+    """model.py with input_pos [B, T]: rows at different positions decode as they would alone."""
+    model = tiny("llama31")
+    a, b = prompts((30, 11))
+    model.setup_caches(2, 64)
+    model(torch.tensor([a]), torch.arange(30), from_start=True, cache_rows=torch.tensor([0]))
+    model(torch.tensor([b]), torch.arange(11), from_start=True, cache_rows=torch.tensor([1]))
+    x = torch.tensor([[7], [9]])
+    both = model(x, torch.tensor([[30], [11]]))[:, -1]
+    for row, p in enumerate((a, b)):
+        model.setup_caches(1, 64)
+        ref = model(torch.tensor([p + [int(x[row])]]), torch.arange(len(p) + 1), from_start=True)[:, -1]
+        torch.testing.assert_close(both[row], ref[0], atol=1e-4, rtol=1e-4)
+
+
+def test_seeded_sampling_same_alone_and_in_a_full_batch(tiny):
+    model = tiny("llama31")
+    ps = prompts()
+    sampled = Request(ps[3], 24, temperature=0.8, top_k=40, top_p=0.9, seed=1234)
+    alone_out = Engine(model, IdTokenizer(), max_batch_size=4, max_seq_length=340).generate([sampled])[0]
+    others = [Request(p, 16, temperature=1.0, seed=i) for i, p in enumerate(ps[:3] + ps[4:])]
+    batch = Engine(model, IdTokenizer(), max_batch_size=4, max_seq_length=340).generate(others[:3] + [sampled]
+                                                                                         + others[3:])
+    assert batch[3].token_ids == alone_out.token_ids
+    assert alone_out.token_ids != alone(model, ps[3], 24)  # it did sample
+    other_seed = Engine(model, IdTokenizer(), max_batch_size=4, max_seq_length=340).generate(
+        [Request(ps[3], 24, temperature=0.8, top_k=40, top_p=0.9, seed=99)])[0]
+    assert other_seed.token_ids != alone_out.token_ids
+
+
+def test_stop_strings_and_streamed_text(tiny):
+    """The text ends before the first stop string; the streamed pieces add up to the final text."""
+    model = tiny("llama31")
+    p = prompts((12,))[0]
+    full = IdTokenizer().decode(alone(model, p, 30))
+    stop = full[len(full) // 2:len(full) // 2 + 7]  # straddles token boundaries
+    pieces = []
+    engine = Engine(model, IdTokenizer(), max_batch_size=2, max_seq_length=64)
+    result = engine.generate([Request(p, 30, stop=["never there", stop], on_output=pieces.append)])[0]
+    assert result.finish_reason == "stop"
+    assert result.text == full[:full.index(stop)]
+    assert "".join(o.text for o in pieces) == result.text
+    assert [o.finish_reason for o in pieces][-1] == "stop"
+
+
+def test_held_back():
+    assert held_back("abc<1", ["<12>"]) == 2
+    assert held_back("abc", ["<12>"]) == 0
+    assert held_back("ab\ufffd", []) == 1
+
+
+def test_abort_frees_the_slot(tiny):
+    model = tiny("llama31")
+    ps = prompts()
+    engine = Engine(model, IdTokenizer(), max_batch_size=1, max_seq_length=340)
+    first = engine.add(Request(ps[0], 200))
+    second = engine.add(Request(ps[1], 5))
+    engine.step()
+    engine.abort(first)
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    assert [o.finish_reason for o in outs if o.request_id == first] == ["abort"]
+    assert [t for o in outs if o.request_id == second for t in o.token_ids] == alone(model, ps[1], 5)
+
+
+@pytest.mark.parametrize("request_kwargs,needle", [
+    (dict(prompt=list(range(60)), max_new_tokens=8), "exceeds the context of 64"),
+    (dict(prompt=[1, 2], max_new_tokens=63), "exceeds the context of 64"),
+    (dict(prompt=[], max_new_tokens=4), "prompt is empty"),
+    (dict(prompt=[1], max_new_tokens=0), "at least 1"),
+    (dict(prompt=[1], max_new_tokens=4, temperature=float("nan")), "temperature"),
+    (dict(prompt=[1], max_new_tokens=4, top_p=0.0), "top_p"),
+    (dict(prompt=[1], max_new_tokens=4, top_k=-1), "top_k"),
+    (dict(prompt=[300], max_new_tokens=4), "outside the vocabulary"),
+])
+def test_bad_requests_are_refused_before_queueing(tiny, request_kwargs, needle):
+    engine = Engine(tiny("llama31"), IdTokenizer(), max_batch_size=2, max_seq_length=64)
+    with pytest.raises(ValueError, match=needle):
+        engine.add(Request(**request_kwargs))
+    assert not engine.has_work()
+
+
+def test_more_requests_than_slots_all_complete(tiny):
+    model = tiny("llama31")
+    ps = prompts([2] * 20, seed=3)
+    results = Engine(model, IdTokenizer(), max_batch_size=2, max_seq_length=16).generate([Request(p, 4) for p in ps])
+    assert [r.token_ids for r in results] == [alone(model, p, 4) for p in ps]
+
+
+def test_int8_checkpoint(tmp_path, tiny):
+    import quantize
+    hf = make_hf_model("llama31", max_position_embeddings=384)
+    path = quantize.quantize_checkpoint(save_and_convert(hf, tmp_path), "int8")
+    model = load_model(path)
+    ps = prompts((4, 50, 9))
+    results = Engine(model, IdTokenizer(), max_batch_size=2, max_seq_length=80).generate([Request(p, 12) for p in ps])
+    assert [r.token_ids for r in results] == [alone(model, p, 12) for p in ps]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama31", "mixtral"])
+def test_compiled_engine_equals_eager(tiny, family):
+    """One compiled [max_batch_size, 1] step (no recompile as requests come and go) decodes what
+    single-stream eager generation does."""
+    model = tiny(family)
+    ps = prompts()
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        engine = Engine(model, IdTokenizer(), max_batch_size=3, max_seq_length=340, prefill_chunk=64, compile=True)
+        results = engine.generate([Request(p, 10) for p in ps])
+    assert [r.token_ids for r in results] == [alone(model, p, 10) for p in ps]
+
+
+# -- generate.py --prompts_file -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    d = tmp_path_factory.mktemp("engine_cli")
+    save_tokenizer(d / "hf")
+    path = save_and_convert(make_hf_model("llama31", vocab_size=320, eos_token_id=0), d)
+    return path
+
+
+def run(args):
+    return subprocess.run([sys.executable, "generate.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_prompts_file(checkpoint, tmp_path):
+    """.jsonl with per-prompt settings through the engine: results in input order, each greedy one
+    what generate.py --prompt gives alone."""
+    lines = [{"prompt": "The quick brown fox", "max_new_tokens": 12},
+             {"prompt": "Paris is", "max_new_tokens": 5, "stop": "never"},
+             {"prompt": "She sells sea shells on the sea shore. " * 3, "max_new_tokens": 9},
+             {"prompt": "One plus one", "temperature": 0.9, "seed": 7, "max_new_tokens": 8}]
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out.jsonl"
+    r = run(["--checkpoint_path", str(checkpoint), "--prompts_file", str(f), "--output", str(out), "--no-chat",
+             "--max_batch_size", "2", "--temperature", "0"])
+    assert r.returncode == 0, r.stderr
+    results = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["prompt"] for x in results] == [x["prompt"] for x in lines]
+    tokenizer = load_tokenizer(checkpoint.parent)
+    model = load_model(checkpoint)
+    for line, result in zip(lines[:3], results):
+        ids = alone(model, tokenizer.encode(line["prompt"]), line["max_new_tokens"], tokenizer.eos_ids)
+        assert result["text"] == tokenizer.decode(ids)
+        assert result["tokens"] == len(ids)
+        assert result["finish_reason"] == ("length" if len(ids) == line["max_new_tokens"] else "stop")
+    # The same file as .txt (settings from the flags) prints JSONL on stdout.
+    txt = tmp_path / "prompts.txt"
+    txt.write_text("\n".join(x["prompt"] for x in lines[:2]) + "\n\n")
+    r = run(["--checkpoint_path", str(checkpoint), "--prompts_file", str(txt), "--no-chat", "--max_new_tokens", "5",
+             "--temperature", "0"])
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(x)["prompt"] for x in r.stdout.splitlines()] == [x["prompt"] for x in lines[:2]]
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('{"prompt": "hi", "max_new_tokens": "5"}\n', "prompts.jsonl:1: max_new_tokens has the wrong type"),
+    ('{"prompt": "hi"}\n{"text": "no prompt"}\n', 'prompts.jsonl:2: each line must be a JSON object with a "prompt"'),
+    ('{"prompt": "hi", "beam_width": 4}\n', "unknown setting 'beam_width'"),
+    ("not json\n", "prompts.jsonl:1: not a JSON object"),
+    ('{"prompt": "hi", "max_new_tokens": 100000}\n', "prompts.jsonl:1: the prompt"),
+    ("\n\n", "holds no prompt"),
+])
+def test_prompts_file_errors(checkpoint, tmp_path, content, needle, capsys):
+    from generate import cli
+    f = tmp_path / "prompts.jsonl"
+    f.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        cli(["--checkpoint_path", str(checkpoint), "--prompts_file", str(f), "--no-chat", "--device", "cpu"])
+    assert str(e.value.code).startswith("error: ") and needle in str(e.value.code), e.value.code
+    assert capsys.readouterr().out == ""
