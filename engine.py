@@ -14,8 +14,11 @@ request's values, and the causal mask (keys at positions <= the query's) never l
     engine = Engine(model, tokenizer, max_batch_size=8)
     results = engine.generate([Request(tokenizer.encode("Hello"), max_new_tokens=32), ...])
 
-A server calls `add` / `abort` from its own thread and runs `step` in a loop (`run_forever`).
+A server calls `add` / `abort` from its own threads; they only queue events, which `step` applies
+on the engine's thread, so the schedule is decided in one place. Under tensor parallelism that
+place is rank 0: `sync` hands every rank rank 0's events, and all ranks then run the same steps.
 """
+import dataclasses
 import random
 import threading
 from collections import deque
@@ -111,7 +114,8 @@ def decode_step(model: Transformer, x: Tensor, input_pos: Tensor) -> Tensor:
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer, max_batch_size: int = 8, max_seq_length: Optional[int] = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, compile: bool = False, seed: int = 0):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, compile: bool = False, seed: int = 0,
+                 sync: Optional[Callable[[list], list]] = None):
         if max_batch_size < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch_size and prefill_chunk must be at least 1, got {max_batch_size} and "
                              f"{prefill_chunk}")
@@ -126,9 +130,11 @@ class Engine:
         self.slots: list = [None] * max_batch_size  # slot -> _Sequence or None
         self.waiting: deque = deque()
         self.live: dict = {}  # request id -> _Sequence, waiting or in a slot
-        self.aborted: set = set()
-        self.lock = threading.Lock()  # add / abort may come from other threads than step's
+        self.inbox: list = []  # ("add", id, request, seed) / ("abort", id) events from any thread
+        self.callbacks: dict = {}  # request id -> on_output (never sent to other ranks)
+        self.lock = threading.Lock()
         self.wakeup = threading.Event()
+        self.sync = sync
         self.rng = random.Random(seed)
         self.next_id = 0
         self.decode_steps = 0
@@ -141,20 +147,21 @@ class Engine:
         with self.lock:
             request_id, self.next_id = self.next_id, self.next_id + 1
             seed = request.seed if request.seed is not None else self.rng.getrandbits(63)
-            eos = self.tokenizer.eos_ids if request.eos_ids is None else request.eos_ids
-            self.live[request_id] = seq = _Sequence(request_id, request, eos, seed)
-            self.waiting.append(seq)
+            if request.on_output is not None:
+                self.callbacks[request_id] = request.on_output
+            request = dataclasses.replace(request, on_output=None, prompt=list(request.prompt))
+            self.inbox.append(("add", request_id, request, seed))
         self.wakeup.set()
         return request_id
 
     def abort(self, request_id: int):
-        """Stop a request (a client went away); its slot is free after the current step."""
+        """Stop a request (a client went away); its slot is free after the next step."""
         with self.lock:
-            self.aborted.add(request_id)
+            self.inbox.append(("abort", request_id))
         self.wakeup.set()
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(s is not None for s in self.slots)
+        return bool(self.inbox or self.waiting) or any(s is not None for s in self.slots)
 
     def stats(self) -> dict:
         return dict(waiting=len(self.waiting), active=sum(s is not None for s in self.slots))
@@ -176,47 +183,67 @@ class Engine:
                         on_finish(index[out.request_id])
         return results
 
-    def run_forever(self, stop: threading.Event):
-        """Step while there is work, sleep while there is none, until `stop` is set (a server's loop)."""
-        while not stop.is_set():
+    def run_forever(self, stop: threading.Event, idle_s: float = 0.5):
+        """A server's loop: step while there is work, wait for some while there is none, until stop
+        is set (on rank 0; the others follow until rank 0's events say stop)."""
+        while True:
             if not self.has_work():
-                self.wakeup.wait(timeout=0.1)
+                self.wakeup.wait(timeout=idle_s)  # with sync: a heartbeat, so idle ranks keep in touch
                 self.wakeup.clear()
-                continue
-            self.step()
+            if self.step(stop=stop.is_set()) is None:
+                return
 
     # -- one iteration -------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self) -> list:
-        """Admit waiting requests, prefill one chunk, decode one token for every decoding slot."""
+    def step(self, stop: bool = False) -> Optional[list]:
+        """Apply queued events, admit waiting requests, prefill one chunk, decode one token for every
+        decoding slot; returns the outputs (None once stop was sent to every rank)."""
+        with self.lock:
+            events, self.inbox = self.inbox, []
+        events = events + [("stop",)] if stop else events
+        if self.sync is not None:
+            events = self.sync(events)
         outputs = []
-        self._admit(outputs)
+        for event in events:
+            if event[0] == "stop":
+                return None
+            self._apply(event, outputs)
+        self._admit()
         self._prefill(outputs)
         self._decode(outputs)
         for i, seq in enumerate(self.slots):
             if seq is not None and seq.finish_reason is not None:
                 self.slots[i] = None
         for out in outputs:
-            callback = self.live[out.request_id].request.on_output
-            if out.finish_reason is not None:
-                with self.lock:
-                    del self.live[out.request_id]
+            with self.lock:
+                callback = self.callbacks.get(out.request_id)
+                if out.finish_reason is not None:
+                    self.live.pop(out.request_id, None)
+                    self.callbacks.pop(out.request_id, None)
             if callback is not None:
                 callback(out)
         return outputs
 
-    def _admit(self, outputs: list):
-        with self.lock:
-            aborted, self.aborted = self.aborted, set()
-            for seq in [s for s in self.waiting if s.id in aborted]:
+    def _apply(self, event: tuple, outputs: list):
+        if event[0] == "add":
+            _, request_id, request, seed = event
+            eos = self.tokenizer.eos_ids if request.eos_ids is None else request.eos_ids
+            self.live[request_id] = seq = _Sequence(request_id, request, eos, seed)
+            self.waiting.append(seq)
+        elif event[0] == "abort" and event[1] in self.live:
+            seq = self.live[event[1]]
+            if seq in self.waiting:
                 self.waiting.remove(seq)
+            if seq.finish_reason is None:
                 self._finish(seq, "abort", outputs)
-            for i, seq in enumerate(self.slots):
-                if seq is not None and seq.id in aborted:
-                    self._finish(seq, "abort", outputs)
-                elif seq is None and self.waiting:
-                    self.slots[i] = self.waiting.popleft()
+
+    def _admit(self):
+        for i, seq in enumerate(self.slots):
+            if (seq is None or seq.finish_reason is not None) and self.waiting:
+                if seq is not None:  # aborted: free it now
+                    self.slots[i] = None
+                self.slots[i] = self.waiting.popleft()
 
     def _prefill(self, outputs: list):
         todo = [(i, s) for i, s in enumerate(self.slots) if s is not None and s.prefilling and s.finish_reason is None]
