@@ -1,0 +1,534 @@
+# Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
+"""An OpenAI-compatible HTTP server on the serving engine, with a chat page.
+
+    python server.py                                             # the default model, http://127.0.0.1:8000
+    python server.py --checkpoint_path X/model_int8.pth --compile --max_batch_size 16 --api_key KEY
+    torchrun --standalone --nproc_per_node=2 server.py --checkpoint_path X/model.pth
+
+POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models, /health,
+/metrics (Prometheus) and / (chat.html). Every request becomes engine requests (one per choice);
+the engine's thread decodes all of them together and hands each output to the request's asyncio
+queue. Under torchrun rank 0 serves HTTP and the other ranks follow its engine's schedule.
+
+HTTP is Starlette on uvicorn, server-sent events sse-starlette, metrics prometheus_client: the
+protocol work belongs to those libraries; this file maps the OpenAI API onto the engine.
+"""
+import argparse
+import asyncio
+import ipaddress
+import json
+import math
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+
+from engine import DEFAULT_PREFILL_CHUNK, Engine, Request
+from load import (DEFAULT_CHECKPOINT, PRECISIONS, check_device, default_device, default_precision, load_model, log,
+                  maybe_init_dist)
+from tokenizer import load_tokenizer
+
+MAX_BODY_BYTES = 1 << 20  # larger bodies get 413: no prompt the context holds is that long
+MAX_N = 16
+MAX_STOP = 16
+# Accepted and ignored: they change nothing a local model does.
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
+CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+               "stop", "n", "stream", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
+               "functions", "logit_bias", "frequency_penalty", "presence_penalty"} | IGNORED
+COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
+                     "logprobs", "echo", "suffix", "best_of", "logit_bias", "frequency_penalty",
+                     "presence_penalty"} | IGNORED
+
+
+class APIError(Exception):
+    """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a request
+
+def get(body: dict, name: str, kinds, default=None, check=None, must: str = ""):
+    """body[name] of one of the JSON kinds ("int", "number", "bool", "string", "list", "object"), or default."""
+    value = body.get(name, default)
+    if value is None:
+        return default
+    ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+          "bool": lambda v: isinstance(v, bool), "string": lambda v: isinstance(v, str),
+          "list": lambda v: isinstance(v, list), "object": lambda v: isinstance(v, dict)}
+    if not any(ok[k](value) for k in kinds.split("|")):
+        raise APIError(400, f"'{name}' must be of type {kinds.replace('|', ' or ')}, got {json.dumps(value)[:50]}",
+                       param=name)
+    if check is not None and not check(value):
+        raise APIError(400, f"'{name}' must be {must}, got {json.dumps(value)[:50]}", param=name)
+    return value
+
+
+def sampling_fields(body: dict, allowed: set) -> dict:
+    """The settings both endpoints share, validated; unsupported ones refused rather than ignored."""
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise APIError(400, f"unrecognized request argument {unknown[0]!r}", param=unknown[0])
+    for name in ("logit_bias", "tools", "functions"):
+        if body.get(name):
+            raise APIError(400, f"'{name}' is not supported by this server", param=name)
+    for name in ("frequency_penalty", "presence_penalty"):
+        if get(body, name, "number", 0) != 0:
+            raise APIError(400, f"'{name}' is not supported by this server (only 0)", param=name)
+    stop = get(body, "stop", "string|list", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
+        raise APIError(400, f"'stop' must be a string or a list of at most {MAX_STOP} strings", param="stop")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise APIError(400, "'stream_options' must be an object", param="stream_options")
+    return dict(
+        temperature=get(body, "temperature", "number", 1.0, lambda v: 0 <= v <= 2, "between 0 and 2"),
+        top_p=get(body, "top_p", "number", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
+        top_k=get(body, "top_k", "int", 0, lambda v: v >= 0, ">= 0 (0: off)"),
+        seed=get(body, "seed", "int"),
+        stop=[s for s in stop if s],
+        n=get(body, "n", "int", 1, lambda v: 1 <= v <= MAX_N, f"between 1 and {MAX_N}"),
+        stream=get(body, "stream", "bool", False),
+        include_usage=bool((options or {}).get("include_usage")),
+    )
+
+
+def chat_prompt(body: dict, tokenizer) -> list:
+    messages = get(body, "messages", "list")
+    if not messages:
+        raise APIError(400, "'messages' is required: a non-empty list of {role, content} objects", param="messages")
+    plain = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
+            raise APIError(400, f"messages[{i}] must be an object with a role of system, developer, user or "
+                                "assistant", param=f"messages[{i}]")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", param=f"messages[{i}]")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
+                           param=f"messages[{i}]")
+        plain.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    if tokenizer.chat_template is None:
+        raise APIError(400, "this model has no chat template; use /v1/completions")
+    try:
+        return tokenizer.encode_chat(plain)
+    except Exception as e:  # the checkpoint's own template refused these messages (jinja2 raises many kinds)
+        raise APIError(400, f"the chat template could not format these messages: {e}", param="messages") from None
+
+
+def completion_prompts(body: dict, tokenizer) -> list:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(isinstance(t, int) for t in p)
+                                                     for p in prompt):
+        return [list(p) for p in prompt]
+    else:
+        raise APIError(400, "'prompt' is required: a string, a list of strings, or token id lists", param="prompt")
+    return [tokenizer.encode(p) for p in prompts]
+
+
+# ---------------------------------------------------------------------------------------------
+# The server state: the engine, its thread, the metrics
+
+class Server:
+    def __init__(self, engine: Engine, tokenizer, model_name: str, api_key: Optional[str] = None,
+                 shutdown_s: float = 30.0):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        self.engine, self.tokenizer, self.model_name, self.api_key = engine, tokenizer, model_name, api_key
+        self.shutdown_s = shutdown_s
+        self.created = int(time.time())
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=engine.run_forever, args=(self.stop,), name="engine", daemon=True)
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("brisk_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("brisk_prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.generated_tokens = Counter("brisk_generation_tokens", "tokens generated", registry=r)
+        Gauge("brisk_queue_length", "requests waiting for a slot", registry=r).set_function(
+            lambda: engine.stats()["waiting"])
+        Gauge("brisk_active_slots", "KV cache slots in use", registry=r).set_function(
+            lambda: engine.stats()["active"])
+        Gauge("brisk_slots", "KV cache slots", registry=r).set(engine.max_batch_size)
+        buckets = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
+        self.ttft = Histogram("brisk_time_to_first_token_seconds", "request arrival to its first token",
+                              buckets=buckets, registry=r)
+        self.itl = Histogram("brisk_inter_token_latency_seconds", "time between a request's tokens",
+                             buckets=buckets, registry=r)
+
+    def submit(self, prompts: list, params: dict, max_tokens: Optional[int], logprobs: Optional[int]) -> tuple:
+        """n engine requests per prompt -> (their ids, one asyncio queue receiving (choice, Output))."""
+        limit = self.engine.max_seq_length
+        for p in prompts:
+            budget = limit - len(p)
+            if budget < 1 or (max_tokens is not None and max_tokens > budget):
+                raise APIError(400, f"this model's context is {limit} tokens: the prompt has {len(p)} tokens and "
+                                    f"max_tokens asks for {max_tokens if max_tokens is not None else 'at least 1'} "
+                                    "more; shorten the prompt or lower max_tokens", param="messages",
+                               code="context_length_exceeded")
+            if not p:
+                raise APIError(400, "the prompt is empty", param="prompt")
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        ids = []
+        for i, p in enumerate(prompts):
+            for j in range(params["n"]):
+                choice, arrival, last = len(ids), time.perf_counter(), [None]
+
+                def on_output(out, choice=choice, arrival=arrival, last=last):  # the engine's thread
+                    now = time.perf_counter()
+                    if out.token_ids:
+                        (self.ttft.observe(now - arrival) if last[0] is None else self.itl.observe(now - last[0]))
+                        last[0] = now
+                        self.generated_tokens.inc(len(out.token_ids))
+                    loop.call_soon_threadsafe(queue.put_nowait, (choice, out))
+
+                seed = params["seed"] + j if params["seed"] is not None else None
+                request = Request(p, max_tokens or limit - len(p), temperature=params["temperature"],
+                                  top_k=params["top_k"], top_p=params["top_p"], seed=seed, stop=params["stop"],
+                                  logprobs=logprobs, on_output=on_output)
+                try:
+                    ids.append(self.engine.add(request))
+                except ValueError as e:
+                    for request_id in ids:
+                        self.engine.abort(request_id)
+                    raise APIError(400, str(e)) from None
+                self.prompt_tokens.inc(len(p))
+        return ids, queue
+
+
+# ---------------------------------------------------------------------------------------------
+# Endpoints
+
+def make_app(server: Server):
+    from sse_starlette.sse import EventSourceResponse
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
+    from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse
+    from starlette.routing import Route
+
+    def error_response(e: APIError, endpoint: str):
+        server.requests.labels(endpoint, str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def read_body(request) -> dict:
+        if server.api_key is not None:
+            auth = request.headers.get("authorization", "")
+            if auth != f"Bearer {server.api_key}":
+                raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                               code="invalid_api_key", kind="authentication_error")
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        data = b""
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        try:
+            body = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        model = get(body, "model", "string")
+        if model is not None and model != server.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server has '{server.model_name}'",
+                           param="model", code="model_not_found")
+        return body
+
+    def token_text(token: int) -> str:
+        return server.tokenizer.decode([token])
+
+    def chat_logprobs(out) -> list:
+        entries = []
+        for token, (lp, top) in zip(out.token_ids, out.logprobs):
+            text = token_text(token)
+            entries.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
+                            "top_logprobs": [{"token": token_text(t), "logprob": v, "bytes": list(token_text(t).encode())}
+                                             for t, v in top]})
+        return entries
+
+    def completion_logprobs(out, offset: int) -> dict:
+        tokens = [token_text(t) for t in out.token_ids]
+        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in out.logprobs],
+                "top_logprobs": [{token_text(t): v for t, v in top} for _, top in out.logprobs],
+                "text_offset": offsets}
+
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    async def outputs(request, ids: list, queue: asyncio.Queue):
+        """(choice, Output) until every choice finished; aborts them all if the client goes away."""
+        finished = 0
+        try:
+            while finished < len(ids):
+                try:
+                    choice, out = await asyncio.wait_for(queue.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                finished += out.finish_reason is not None
+                yield choice, out
+        finally:
+            if finished < len(ids):
+                for request_id in ids:
+                    server.engine.abort(request_id)
+
+    async def completion(request, chat: bool):
+        endpoint = "chat" if chat else "completions"
+        try:
+            body = await read_body(request)
+            params = sampling_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+            if chat:
+                fmt = body.get("response_format")
+                if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+                    raise APIError(400, "'response_format' supports only {\"type\": \"text\"}",
+                                   param="response_format")
+                if body.get("tool_choice") not in (None, "none"):
+                    raise APIError(400, "'tool_choice' is not supported by this server (tools are not)",
+                                   param="tool_choice")
+                want = get(body, "logprobs", "bool", False)
+                top = get(body, "top_logprobs", "int", None, lambda v: 0 <= v <= 20, "between 0 and 20")
+                if top is not None and not want:
+                    raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+                logprobs = (top or 0) if want else None
+                max_tokens = get(body, "max_completion_tokens", "int") or get(body, "max_tokens", "int")
+                prompts = [chat_prompt(body, server.tokenizer)]
+                echo = False
+            else:
+                logprobs = get(body, "logprobs", "int", None, lambda v: 0 <= v <= 20, "between 0 and 20")
+                echo = get(body, "echo", "bool", False)
+                if get(body, "suffix", "string"):
+                    raise APIError(400, "'suffix' is not supported by this server", param="suffix")
+                if get(body, "best_of", "int", params["n"]) != params["n"]:
+                    raise APIError(400, "'best_of' other than n is not supported", param="best_of")
+                max_tokens = get(body, "max_tokens", "int", 16)
+                prompts = completion_prompts(body, server.tokenizer)
+            for name, value in (("max_tokens", max_tokens),):
+                if value is not None and value < 1:
+                    raise APIError(400, f"'{name}' must be at least 1, got {value}", param=name)
+            if server.stop.is_set():
+                raise APIError(503, "the server is shutting down", kind="server_error")
+            ids, queue = server.submit(prompts, params, max_tokens, logprobs)
+        except APIError as e:
+            return error_response(e, endpoint)
+        except ClientDisconnect:
+            return PlainTextResponse("", status_code=499)
+        server.requests.labels(endpoint, "200").inc()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": server.model_name}
+        n = params["n"]
+        prompt_len = sum(len(p) for p in prompts)
+        prefix = [server.tokenizer.decode(prompts[c // n]) if echo else "" for c in range(len(ids))]
+
+        if params["stream"]:
+            async def events():
+                extra = {"usage": None} if params["include_usage"] else {}
+                if chat:
+                    for c in range(len(ids)):
+                        yield json.dumps({**base, "choices": [{"index": c, "delta": {"role": "assistant", "content": ""},
+                                                                "logprobs": None, "finish_reason": None}], **extra})
+                sent_text = [False] * len(ids)
+                completion_tokens = 0
+                async for c, out in outputs(request, ids, queue):
+                    completion_tokens += len(out.token_ids)
+                    text = out.text
+                    if not sent_text[c] and prefix[c]:
+                        text, sent_text[c] = prefix[c] + text, True
+                    if not text and out.finish_reason is None and logprobs is None:
+                        continue
+                    if chat:
+                        choice = {"index": c, "delta": {"content": text} if text else {},
+                                  "logprobs": {"content": chat_logprobs(out)} if logprobs is not None else None,
+                                  "finish_reason": out.finish_reason}
+                    else:
+                        choice = {"index": c, "text": text, "finish_reason": out.finish_reason,
+                                  "logprobs": completion_logprobs(out, 0) if logprobs is not None else None}
+                    yield json.dumps({**base, "choices": [choice], **extra})
+                if params["include_usage"]:
+                    yield json.dumps({**base, "choices": [], "usage": usage(prompt_len, completion_tokens)})
+                yield "[DONE]"
+
+            return EventSourceResponse(events(), ping=15, shutdown_grace_period=server.shutdown_s)
+
+        texts, reasons = list(prefix), [None] * len(ids)
+        lps = [[] for _ in ids]
+        completion_tokens = 0
+        async for c, out in outputs(request, ids, queue):
+            completion_tokens += len(out.token_ids)
+            if logprobs is not None:
+                lps[c] += chat_logprobs(out) if chat else [completion_logprobs(out, len(texts[c]))]
+            texts[c] += out.text
+            reasons[c] = out.finish_reason
+        if any(r is None for r in reasons):  # the client went away
+            return PlainTextResponse("", status_code=499)
+        if chat:
+            choices = [{"index": c, "message": {"role": "assistant", "content": texts[c]}, "finish_reason": reasons[c],
+                        "logprobs": {"content": lps[c]} if logprobs is not None else None} for c in range(len(ids))]
+        else:
+            choices = [{"index": c, "text": texts[c], "finish_reason": reasons[c],
+                        "logprobs": merge_completion_logprobs(lps[c]) if logprobs is not None else None}
+                       for c in range(len(ids))]
+        return JSONResponse({**base, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                             "usage": usage(prompt_len, completion_tokens), "system_fingerprint": None})
+
+    async def chat_completions(request):
+        return await completion(request, chat=True)
+
+    async def completions(request):
+        return await completion(request, chat=False)
+
+    async def models(request):
+        try:
+            if server.api_key is not None and request.headers.get("authorization") != f"Bearer {server.api_key}":
+                raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                               code="invalid_api_key", kind="authentication_error")
+        except APIError as e:
+            return error_response(e, "models")
+        return JSONResponse({"object": "list", "data": [{"id": server.model_name, "object": "model",
+                                                         "created": server.created, "owned_by": "brisk"}]})
+
+    async def health(request):
+        return JSONResponse({"status": "ok", **server.engine.stats()})
+
+    async def metrics(request):
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        return PlainTextResponse(generate_latest(server.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def index(request):
+        return HTMLResponse((Path(__file__).parent / "chat.html").read_text())
+
+    async def http_error(request, exc):
+        e = APIError(exc.status_code, exc.detail or "error",
+                     code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(e.body(), status_code=exc.status_code)
+
+    routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics), Route("/", index)]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+
+
+def merge_completion_logprobs(parts: list) -> dict:
+    return {k: [v for p in parts for v in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Running it
+
+def broadcast_events(events: list) -> list:
+    """Rank 0's engine events to every rank (the others' own are dropped): all ranks run one schedule."""
+    import torch.distributed as dist
+    box = [events]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def main(checkpoint_path: Optional[Path], host: str, port: int, api_key: Optional[str], max_batch_size: int,
+         max_seq_length: Optional[int], prefill_chunk: int, compile: bool, device: Optional[str],
+         precision: Optional[str], model_name: Optional[str], shutdown_timeout: float, seed: int):
+    import uvicorn
+
+    if not is_loopback(host) and api_key is None:
+        raise ValueError(f"--host {host} would serve the model to other machines without authentication; pass "
+                         "--api_key KEY (clients send 'Authorization: Bearer KEY'), or keep --host 127.0.0.1")
+    checkpoint_path = checkpoint_path or DEFAULT_CHECKPOINT
+    if not Path(checkpoint_path).is_file() and checkpoint_path == DEFAULT_CHECKPOINT:
+        raise FileNotFoundError(f"the default model is not prepared ({checkpoint_path} missing); run "
+                                "./scripts/prepare.sh, or pass --checkpoint_path")
+    device = check_device(device or default_device())
+    dist = maybe_init_dist(device)
+    device = dist.device if dist else device
+    dtype = PRECISIONS[precision] if precision else default_precision(device)
+    t0 = time.perf_counter()
+    model = load_model(checkpoint_path, device, dtype, tp=dist)
+    tokenizer = load_tokenizer(Path(checkpoint_path).parent)
+    max_seq_length = max_seq_length or min(model.config.block_size, 4096)
+    engine = Engine(model, tokenizer, max_batch_size, max_seq_length, prefill_chunk, compile, seed,
+                    sync=broadcast_events if dist else None)
+    # Warm up (and compile) before the first client waits: one short request through every path.
+    engine.generate([Request([tokenizer.eos_ids[0] if tokenizer.eos_ids else 0], 2, eos_ids=[])])
+    log(f"Loaded {checkpoint_path} ({dtype}, {device}, {max_batch_size} slots of {max_seq_length} positions) "
+        f"in {time.perf_counter() - t0:.2f} s")
+    if dist is not None and dist.rank != 0:
+        engine.run_forever(threading.Event())  # follows rank 0 until its engine stops
+        return
+    name = model_name or Path(checkpoint_path).parent.name
+    server = Server(engine, tokenizer, name, api_key, shutdown_timeout)
+    server.thread.start()
+    log(f"Serving {name} on http://{host}:{port} (OpenAI API under /v1, chat page at /)")
+    try:
+        uvicorn.run(make_app(server), host=host, port=port, log_level="warning",
+                    timeout_graceful_shutdown=shutdown_timeout)
+    finally:
+        server.stop.set()
+        engine.wakeup.set()
+        server.thread.join()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="An OpenAI-compatible server (and chat page) for a brisk checkpoint.")
+    p.add_argument("--checkpoint_path", type=Path, default=None,
+                   help=f"model.pth of a converted checkpoint (default: {DEFAULT_CHECKPOINT})")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (other than loopback needs --api_key)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--api_key", default=None, help="require 'Authorization: Bearer KEY' on the API")
+    p.add_argument("--max_batch_size", type=int, default=8, help="KV cache slots: requests decoded together")
+    p.add_argument("--max_seq_length", type=int, default=None,
+                   help="positions per slot: prompt plus answer (default: the model's context, at most 4096)")
+    p.add_argument("--prefill_chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help="the most prompt tokens prefilled per engine step, beside the decode step")
+    p.add_argument("--compile", action="store_true", help="compile the engine's decode step (at startup)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
+    p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
+                   help="weights and activations dtype (default: bfloat16 on CUDA, float16 on MPS, float32 on CPU)")
+    p.add_argument("--model_name", default=None, help="the model id clients use (default: the checkpoint's folder)")
+    p.add_argument("--shutdown_timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C")
+    p.add_argument("--seed", type=int, default=0, help="seeds the requests that bring none")
+    return p.parse_args(argv)
+
+
+def cli(argv=None):
+    args = parse_args(argv)
+    try:
+        main(**vars(args))
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    cli()

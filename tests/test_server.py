@@ -1,0 +1,389 @@
+"""server.py through the official `openai` client (and raw HTTP where the client cannot go),
+against generation in this process: the same text, streaming or not, alone or among 16 streams."""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_hf_model, save_and_convert, save_tokenizer
+from decode import generate
+from load import load_model
+from tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "test-key"
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+QUESTIONS = ["Paris is the capital of", "One plus one is", "What colour is the sky?",
+             "The quick brown fox jumps over the lazy dog. " * 4, "She sells sea shells", "A river",
+             "Two plus two is four. " * 6, "Question: what colour is the sea?"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(checkpoint: Path, *args, launcher=(sys.executable,)) -> tuple:
+    port = free_port()
+    proc = subprocess.Popen([*launcher, "server.py", "--checkpoint_path", str(checkpoint), "--port", str(port), *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    import httpx
+    for _ in range(240):
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc, f"http://127.0.0.1:{port}"
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not come up")
+
+
+def stop_server(proc):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    d = tmp_path_factory.mktemp("server")
+    save_tokenizer(d / "hf")
+    path = save_and_convert(make_hf_model("llama31", vocab_size=320, eos_token_id=0, max_position_embeddings=256), d)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=TEMPLATE)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    proc, url = start_server(checkpoint, "--api_key", KEY, "--max_batch_size", "4", "--max_seq_length", "256",
+                             "--prefill_chunk", "32", "--model_name", "tiny")
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """Greedy text of a chat question or a raw prompt, generated in this process."""
+    model, tokenizer = load_model(checkpoint), load_tokenizer(checkpoint.parent)
+
+    def answer(text: str, max_tokens: int, chat: bool = True) -> tuple:
+        ids = tokenizer.encode_chat([{"role": "user", "content": text}]) if chat else tokenizer.encode(text)
+        out = generate(model, torch.tensor(ids), max_tokens, eos_ids=tokenizer.eos_ids)[0, len(ids):].tolist()
+        finish = "stop" if 0 in out else "length"
+        out = out[:out.index(0)] if 0 in out else out
+        return tokenizer.decode(out), len(out), finish, len(ids)
+    return answer
+
+
+def chat(client, question, **kwargs):
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": question}], **kwargs)
+
+
+def test_chat_and_completions_equal_local_generation(client, reference):
+    text, n, finish, prompt_len = reference(QUESTIONS[0], 12)
+    r = chat(client, QUESTIONS[0], max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == text and r.choices[0].finish_reason == finish
+    assert r.choices[0].message.role == "assistant" and r.model == "tiny"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_len, n)
+    chunks = list(chat(client, QUESTIONS[0], max_tokens=12, temperature=0, stream=True,
+                       stream_options={"include_usage": True}))
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
+
+    text, n, finish, _ = reference("The quick brown", 10, chat=False)
+    r = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=10, temperature=0)
+    assert r.choices[0].text == text and r.usage.completion_tokens == n
+    streamed = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=10, temperature=0,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text
+    r = client.completions.create(model="tiny", prompt=["The quick brown", "Paris"], max_tokens=10, temperature=0,
+                                  echo=True)
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].text == "The quick brown" + text
+
+
+def test_n_seed_stop_logprobs(client, reference):
+    r = chat(client, QUESTIONS[1], max_tokens=10, temperature=1.0, n=3, seed=5)
+    again = chat(client, QUESTIONS[1], max_tokens=10, temperature=1.0, n=3, seed=5)
+    texts = [c.message.content for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) > 1
+    assert texts == [c.message.content for c in again.choices]
+
+    full = reference(QUESTIONS[2], 20)[0]
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    r = chat(client, QUESTIONS[2], max_tokens=20, temperature=0, stop=[stop, "never appears"])
+    assert r.choices[0].message.content == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+
+    r = chat(client, QUESTIONS[0], max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.logprob <= 0 and entry.token == entry.top_logprobs[0].token
+    r = client.completions.create(model="tiny", prompt="Paris", max_tokens=5, temperature=0, logprobs=2)
+    assert len(r.choices[0].logprobs.token_logprobs) == 5
+
+
+def test_models_and_health(client, server):
+    import httpx
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+
+
+def test_sixteen_concurrent_streams(client, reference):
+    """16 streaming clients of different prompt lengths on 4 slots: each gets what it gets alone."""
+    questions = [QUESTIONS[i % 8] + " " * (i // 8) + "?" * (i % 5) for i in range(16)]
+    got, errors = {}, []
+
+    def ask(i):
+        try:
+            stream = chat(client, questions[i], max_tokens=10 + i % 7, temperature=0, stream=True)
+            got[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i in range(16):
+        assert got[i] == reference(questions[i], 10 + i % 7)[0], i
+
+
+BAD = [
+    ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/chat/completions", b"[1, 2]", 400, "JSON object"),
+    ("/v1/chat/completions", {"model": "tiny"}, 400, "'messages' is required"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "'messages' must be of type list"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+    ("/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "gpt-9"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "at least 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}, 400, "type int"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 6}, 400,
+     "context is 256 tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 400}]}, 400, "context is 256"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, "between 0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 100}, 400, "'n'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
+     "'tools' is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "beam": 2}, 400, "unrecognized"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": [1]}, 400, "'stop'"),
+    ("/v1/completions", {"prompt": 5}, 400, "'prompt' is required"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("/v1/completions", b"x" * (2 << 20), 413, "larger than"),
+    ("/v1/nothing", {}, 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,needle", BAD, ids=range(len(BAD)))
+def test_bad_requests(server, path, body, status, needle):
+    import httpx
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server + path, content=raw, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert needle in error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
+def test_still_serving_after_bad_requests_and_auth(server, client, reference):
+    import httpx
+    import openai
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
+                       headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert chat(client, QUESTIONS[5], max_tokens=8, temperature=0).choices[0].message.content == \
+        reference(QUESTIONS[5], 8)[0]
+
+
+def metric(server, name) -> float:
+    import httpx
+    for line in httpx.get(server + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def test_disconnect_frees_the_slot(server, client, reference):
+    import httpx
+    body = {"model": "tiny", "messages": [{"role": "user", "content": QUESTIONS[3]}], "max_tokens": 100,
+            "temperature": 0, "stream": True, "stop": []}
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data:")
+    other = chat(client, QUESTIONS[4], max_tokens=8, temperature=0).choices[0].message.content
+    assert other == reference(QUESTIONS[4], 8)[0]
+    for _ in range(40):
+        if metric(server, "brisk_active_slots") == 0:
+            break
+        time.sleep(0.25)
+    assert metric(server, "brisk_active_slots") == 0 and metric(server, "brisk_queue_length") == 0
+    assert metric(server, "brisk_time_to_first_token_seconds_count") > 0
+
+
+def test_sigterm_lets_streams_finish(checkpoint, reference):
+    """SIGTERM: the running stream still ends with [DONE] and its whole text, then the process ends
+    (uvicorn re-raises the signal after draining, so its status is SIGTERM's)."""
+    import httpx
+    proc, url = start_server(checkpoint, "--max_seq_length", "256")
+    text = reference(QUESTIONS[6], 40)[0]
+    got = []
+    try:
+        body = {"messages": [{"role": "user", "content": QUESTIONS[6]}], "max_tokens": 40, "temperature": 0,
+                "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and not got:
+                    proc.send_signal(signal.SIGTERM)
+                got.append(line)
+        assert got[-1] == "data: [DONE]" or got[-2] == "data: [DONE]"
+        content = "".join(json.loads(line[5:])["choices"][0]["delta"].get("content", "")
+                          for line in got if line.startswith("data: {"))
+        assert content == text
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        stop_server(proc)
+
+
+@pytest.mark.skipif(shutil.which("chromedriver") is None, reason="needs Debian's chromium and chromium-driver")
+def test_chat_page_in_a_browser(server, reference):
+    """The page at / in headless Chromium: type a question, the streamed answer appears; a second
+    turn carries the conversation."""
+    from selenium import webdriver
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"))
+    driver = webdriver.Chrome(options=options, service=service)
+    try:
+        driver.get(server + "/")
+        driver.find_element(By.ID, "key").send_keys(KEY)
+        driver.execute_script("document.getElementById('key').onchange()")
+        WebDriverWait(driver, 30).until(lambda d: d.find_element(By.ID, "model").text == "tiny")
+        driver.find_element(By.ID, "temperature").send_keys("0")
+        driver.find_element(By.ID, "max_tokens").send_keys("20")
+        driver.find_element(By.ID, "input").send_keys(QUESTIONS[0])
+        driver.find_element(By.ID, "send").click()
+        done = "return document.querySelectorAll('.assistant[data-done]').length"
+        WebDriverWait(driver, 60).until(lambda d: d.execute_script(done) == 1)
+        answer = driver.execute_script("return messages[1].content")  # as streamed; .text would strip it
+        assert answer == reference(QUESTIONS[0], 20)[0]
+        assert driver.find_elements(By.CSS_SELECTOR, ".assistant")[0].text == answer.strip()
+        assert "tokens/s" in driver.find_element(By.ID, "stats").text
+        driver.find_element(By.ID, "input").send_keys("Thanks")
+        driver.find_element(By.ID, "send").click()
+        WebDriverWait(driver, 60).until(lambda d: d.execute_script(done) == 2)
+        assert len(driver.find_elements(By.CSS_SELECTOR, ".user")) == 2
+        # The second request carried the whole conversation, the first answer as the page showed it.
+        history = driver.execute_script("return messages")
+        assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
+    finally:
+        driver.quit()
+
+
+@pytest.mark.slow
+def test_soak(checkpoint):
+    """500 requests from 16 clients: no error, resident memory flat after warm-up; prints latency."""
+    import openai
+    proc, url = start_server(checkpoint, "--max_batch_size", "8", "--max_seq_length", "256", "--model_name", "tiny")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    latencies, errors, lock = [], [], threading.Lock()
+
+    def rss_mb() -> float:
+        for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+
+    def worker(k, count):
+        for i in range(count):
+            t0 = time.perf_counter()
+            try:
+                stream = chat(client, QUESTIONS[(k + i) % 8], max_tokens=8 + i % 9, temperature=0.7, seed=i,
+                              stream=i % 2 == 0)
+                if i % 2 == 0:
+                    list(stream)
+                with lock:
+                    latencies.append(time.perf_counter() - t0)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+    def run(total):
+        threads = [threading.Thread(target=worker, args=(k, total // 16 + (k < total % 16))) for k in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    try:
+        run(100)  # warm-up: allocator pools, tokenizer caches
+        before = rss_mb()
+        latencies.clear()
+        run(400)
+        after = rss_mb()
+        assert not errors, errors[:3]
+        latencies.sort()
+        p = {q: latencies[int(q / 100 * (len(latencies) - 1))] for q in (50, 90, 99)}
+        print(f"\nsoak: {len(latencies)} requests, latency p50 {p[50]:.2f} s, p90 {p[90]:.2f} s, p99 {p[99]:.2f} s; "
+              f"RSS {before:.0f} -> {after:.0f} MB")
+        assert after - before < 50, (before, after)
+    finally:
+        stop_server(proc)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_server(checkpoint, reference):
+    """Under torchrun rank 0 serves and rank 1 follows its schedule: the single-process answers."""
+    import openai
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        proc, url = start_server(checkpoint, "--max_batch_size", "2", "--max_seq_length", "256", "--model_name", "tiny",
+                                 launcher=launcher)
+    finally:
+        del os.environ["OMP_NUM_THREADS"]
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        results = {}
+        threads = [threading.Thread(target=lambda q=q: results.update(
+            {q: chat(client, q, max_tokens=10, temperature=0).choices[0].message.content})) for q in QUESTIONS[:4]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == {q: reference(q, 10)[0] for q in QUESTIONS[:4]}
+    finally:
+        stop_server(proc)
