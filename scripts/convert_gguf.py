@@ -20,7 +20,8 @@ import torch
 if __name__ == "__main__":  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from load import atomic_save  # noqa: E402
-from model import ModelArgs, rope_frequencies  # noqa: E402
+from model import ModelArgs  # noqa: E402
+from rope import rope_frequencies  # noqa: E402
 from scripts.convert_hf_checkpoint import check_against_model  # noqa: E402
 
 SUPPORTED_ARCHITECTURES = ("llama",)
