@@ -28,6 +28,9 @@ FAMILIES = {
                                                              num_experts_per_tok=2)),
     # Issue 21's families. Windows (8) are shorter than the tests' prompts; head_dim != dim / n_head.
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        num_hidden_layers=3, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        norm_topk_prob=False, mlp_only_layers=[1])),
 }
 
 

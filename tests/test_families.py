@@ -15,13 +15,16 @@ from decode import generate
 from load import load_model
 from scripts.convert_hf_checkpoint import config_from_hf
 
-NEW_FAMILIES = ["qwen3"]
+NEW_FAMILIES = ["qwen3", "qwen3_moe"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
     # MHA, untied, a head_dim that is no power of two; sliding window on the layers from 1 on.
     "qwen3_mha_window": ("qwen3", dict(num_key_value_heads=4, head_dim=12, tie_word_embeddings=False,
                                        use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    # Every second layer sparse, renormalised top-k, tied.
+    "qwen3_moe_sparse_step": ("qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[],
+                                                norm_topk_prob=True, tie_word_embeddings=True)),
 }
 
 
@@ -48,6 +51,7 @@ def test_variant_logits_match_transformers(variant, tmp_path):
 # What the converter writes for each family's pieces: data, never guessed from a name.
 EXPECTED_CONFIG = {
     "qwen3": dict(qk_norm="head", head_dim=24, tie_embeddings=True),
+    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=48, norm_topk_prob=False, dense_layers=[1]),
 }
 
 
