@@ -31,6 +31,9 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
         num_hidden_layers=3, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
         norm_topk_prob=False, mlp_only_layers=[1])),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=24, sliding_window=8, query_pre_attn_scalar=20,
+        attn_logit_softcapping=5.0, final_logit_softcapping=8.0)),  # tied, greedy repeats one token
 }
 
 

@@ -15,7 +15,7 @@ from decode import generate
 from load import load_model
 from scripts.convert_hf_checkpoint import config_from_hf
 
-NEW_FAMILIES = ["qwen3", "qwen3_moe"]
+NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -25,6 +25,7 @@ VARIANTS = {
     # Every second layer sparse, renormalised top-k, tied.
     "qwen3_moe_sparse_step": ("qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[],
                                                 norm_topk_prob=True, tie_word_embeddings=True)),
+    "gemma2_tied_gqa4": ("gemma2", dict(num_key_value_heads=1, tie_word_embeddings=True, head_dim=16)),
 }
 
 
@@ -52,6 +53,9 @@ def test_variant_logits_match_transformers(variant, tmp_path):
 EXPECTED_CONFIG = {
     "qwen3": dict(qk_norm="head", head_dim=24, tie_embeddings=True),
     "qwen3_moe": dict(num_experts=4, moe_intermediate_size=48, norm_topk_prob=False, dense_layers=[1]),
+    "gemma2": dict(block_norms="sandwich", norm_offset=1.0, hidden_act="gelu_tanh", sliding_window_layers=[0, 2],
+                   attn_logit_softcap=5.0, final_logit_softcap=8.0, attention_scale=20 ** -0.5,
+                   embedding_scale=64 ** 0.5),
 }
 
 
@@ -70,6 +74,18 @@ def test_int8_within_bound(family, converted):
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
     expected, got = our_logits(base, ids), our_logits(int8, ids)
     assert float((got - expected).norm() / expected.norm()) < 0.05
+
+
+def test_gptq_runs_block_by_block_with_each_layers_window(converted):
+    """GPTQ feeds each block the mask and RoPE Transformer.forward gives it (Gemma 2: sliding and
+    global layers) and the scaled embeddings: on its calibration inputs every layer beats RTN."""
+    import GPTQ
+    _, path = converted("gemma2")
+    model = load_model(path)
+    tokens = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(6))  # longer than the window
+    _, layers, errors = GPTQ.gptq_model(model, tokens, 32)
+    assert {"layers.0.attention.wqkv", "layers.1.feed_forward.w2", "output"} <= set(layers)
+    assert all(gptq <= rtn * 1.001 for rtn, gptq in errors.values()), errors
 
 
 @pytest.mark.parametrize("field, value, message", [
