@@ -34,6 +34,11 @@ FAMILIES = {
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(
         num_hidden_layers=3, num_key_value_heads=2, head_dim=24, sliding_window=8, query_pre_attn_scalar=20,
         attn_logit_softcapping=5.0, final_logit_softcapping=8.0)),  # tied, greedy repeats one token
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        num_hidden_layers=3, num_key_value_heads=1, head_dim=32, sliding_window=8, query_pre_attn_scalar=32,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0, rope_theta=100000.0),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1000.0)})),
 }
 
 

@@ -15,7 +15,7 @@ from decode import generate
 from load import load_model
 from scripts.convert_hf_checkpoint import config_from_hf
 
-NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2"]
+NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -26,6 +26,9 @@ VARIANTS = {
     "qwen3_moe_sparse_step": ("qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[],
                                                 norm_topk_prob=True, tie_word_embeddings=True)),
     "gemma2_tied_gqa4": ("gemma2", dict(num_key_value_heads=1, tie_word_embeddings=True, head_dim=16)),
+    # The hub's form: no layer_types, the local:global pattern from sliding_window_pattern, tied.
+    "gemma3_pattern": ("gemma3", dict(num_hidden_layers=4, layer_types=None, sliding_window_pattern=2,
+                                      num_key_value_heads=2, tie_word_embeddings=True)),
 }
 
 
@@ -56,6 +59,8 @@ EXPECTED_CONFIG = {
     "gemma2": dict(block_norms="sandwich", norm_offset=1.0, hidden_act="gelu_tanh", sliding_window_layers=[0, 2],
                    attn_logit_softcap=5.0, final_logit_softcap=8.0, attention_scale=20 ** -0.5,
                    embedding_scale=64 ** 0.5),
+    "gemma3": dict(qk_norm="head", rope_local_base=1000.0, rope_base=100000.0, sliding_window_layers=[0, 2],
+                   rope_scaling={"rope_type": "linear", "factor": 4.0}, attn_logit_softcap=None),
 }
 
 
