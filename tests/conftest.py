@@ -39,6 +39,13 @@ FAMILIES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0, rope_theta=100000.0),
                          "sliding_attention": dict(rope_type="default", rope_theta=1000.0)})),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(num_key_value_heads=2, sliding_window=8, pad_token_id=0)),
+    # Phi-4-mini's shape of config: longrope (short factors within the original 64 positions) and partial rotary.
+    "phi4_longrope": ("Phi3ForCausalLM", "Phi3Config", dict(
+        num_key_value_heads=1, tie_word_embeddings=True, original_max_position_embeddings=64, pad_token_id=0,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                             short_factor=[1.0 + 0.1 * i for i in range(6)],
+                             long_factor=[2.0 + 0.5 * i for i in range(6)]))),
 }
 
 

@@ -15,7 +15,7 @@ from decode import generate
 from load import load_model
 from scripts.convert_hf_checkpoint import config_from_hf
 
-NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3"]
+NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -29,6 +29,7 @@ VARIANTS = {
     # The hub's form: no layer_types, the local:global pattern from sliding_window_pattern, tied.
     "gemma3_pattern": ("gemma3", dict(num_hidden_layers=4, layer_types=None, sliding_window_pattern=2,
                                       num_key_value_heads=2, tie_word_embeddings=True)),
+    "phi3_partial_rotary": ("phi3", dict(partial_rotary_factor=0.5, sliding_window=None, tie_word_embeddings=True)),
 }
 
 
@@ -61,6 +62,8 @@ EXPECTED_CONFIG = {
                    embedding_scale=64 ** 0.5),
     "gemma3": dict(qk_norm="head", rope_local_base=1000.0, rope_base=100000.0, sliding_window_layers=[0, 2],
                    rope_scaling={"rope_type": "linear", "factor": 4.0}, attn_logit_softcap=None),
+    "phi3": dict(sliding_window=8, sliding_window_layers=None, rope_dim=16),
+    "phi4_longrope": dict(rope_dim=12),
 }
 
 
@@ -68,6 +71,23 @@ EXPECTED_CONFIG = {
 def test_converted_config(family, converted):
     config = json.loads((converted(family)[1].parent / "config.json").read_text())
     assert {k: config[k] for k in EXPECTED_CONFIG[family]} == EXPECTED_CONFIG[family]
+
+
+def test_longrope_long_factors_past_the_original_context(converted):
+    """A cache longer than original_max_position_embeddings (64) uses the long factors for every
+    position, as transformers does for a sequence of that length."""
+    hf, path = converted("phi4_longrope")
+    model = load_model(path)
+    assert model.config.rope_scaling["factor"] == 4.0  # max_position_embeddings / original: its attention factor
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = hf(ids).logits
+    torch.testing.assert_close(our_logits(model, ids), expected, atol=1e-4, rtol=1e-4)
+    # ... and within the original context a cache sized past it differs (long factors): the documented choice.
+    model.setup_caches(1, 80)
+    with torch.no_grad():
+        short_hf = hf(ids[:, :40]).logits
+        assert not torch.allclose(model(ids[:, :40], torch.arange(40)), short_hf, atol=1e-3)
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
