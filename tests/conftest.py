@@ -46,6 +46,8 @@ FAMILIES = {
         rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
                              short_factor=[1.0 + 0.1 * i for i in range(6)],
                              long_factor=[2.0 + 0.5 * i for i in range(6)]))),
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", dict(num_hidden_layers=3, num_key_value_heads=2, pad_token_id=0,
+                                                             no_rope_layer_interval=2)),
 }
 
 

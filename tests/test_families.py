@@ -15,7 +15,7 @@ from decode import generate
 from load import load_model
 from scripts.convert_hf_checkpoint import config_from_hf
 
-NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope"]
+NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -30,6 +30,7 @@ VARIANTS = {
     "gemma3_pattern": ("gemma3", dict(num_hidden_layers=4, layer_types=None, sliding_window_pattern=2,
                                       num_key_value_heads=2, tie_word_embeddings=True)),
     "phi3_partial_rotary": ("phi3", dict(partial_rotary_factor=0.5, sliding_window=None, tie_word_embeddings=True)),
+    "smollm3_window": ("smollm3", dict(use_sliding_window=True, sliding_window=8, tie_word_embeddings=False)),
 }
 
 
@@ -64,6 +65,7 @@ EXPECTED_CONFIG = {
                    rope_scaling={"rope_type": "linear", "factor": 4.0}, attn_logit_softcap=None),
     "phi3": dict(sliding_window=8, sliding_window_layers=None, rope_dim=16),
     "phi4_longrope": dict(rope_dim=12),
+    "smollm3": dict(no_rope_layers=[1]),
 }
 
 
