@@ -20,7 +20,8 @@ from load import atomic_save  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from rope import ROPE_TYPES, rope_type  # noqa: E402
 
-SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3", "smollm3")
+SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
+             "smollm3", "olmo2")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 

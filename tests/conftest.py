@@ -48,6 +48,7 @@ FAMILIES = {
                              long_factor=[2.0 + 0.5 * i for i in range(6)]))),
     "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", dict(num_hidden_layers=3, num_key_value_heads=2, pad_token_id=0,
                                                              no_rope_layer_interval=2)),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(num_key_value_heads=2)),
 }
 
 

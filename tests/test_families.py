@@ -15,7 +15,7 @@ from decode import generate
 from load import load_model
 from scripts.convert_hf_checkpoint import config_from_hf
 
-NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3"]
+NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3", "olmo2"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -31,6 +31,7 @@ VARIANTS = {
                                       num_key_value_heads=2, tie_word_embeddings=True)),
     "phi3_partial_rotary": ("phi3", dict(partial_rotary_factor=0.5, sliding_window=None, tie_word_embeddings=True)),
     "smollm3_window": ("smollm3", dict(use_sliding_window=True, sliding_window=8, tie_word_embeddings=False)),
+    "olmo2_tied_gqa4": ("olmo2", dict(num_key_value_heads=1, tie_word_embeddings=True)),
 }
 
 
@@ -66,6 +67,7 @@ EXPECTED_CONFIG = {
     "phi3": dict(sliding_window=8, sliding_window_layers=None, rope_dim=16),
     "phi4_longrope": dict(rope_dim=12),
     "smollm3": dict(no_rope_layers=[1]),
+    "olmo2": dict(qk_norm="all", block_norms="post"),
 }
 
 
@@ -126,6 +128,12 @@ def test_unsupported_field_is_refused(field, value, message):
     hf[field] = value
     with pytest.raises(ValueError, match=message):
         config_from_hf(hf)
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2' .*supported model_type values: .*qwen3, "
+                                         r"qwen3_moe, gemma2, gemma3_text, phi3, smollm3, olmo2"):
+        config_from_hf({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
 
 
 @pytest.mark.slow
