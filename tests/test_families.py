@@ -105,6 +105,21 @@ def test_int8_within_bound(family, converted):
     assert float((got - expected).norm() / expected.norm()) < 0.05
 
 
+@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe", "smollm3"])
+def test_speculative_greedy_equals_greedy(family, converted):
+    """Verifying k drafted tokens at once (soft-capped attention over windowed and global layers,
+    routed experts, layers without RoPE) keeps greedy decoding exact; the int8 twin drafts."""
+    from speculative import speculative_generate
+    _, path = converted(family)
+    target = load_model(path)
+    draft = load_model(quantize.quantize_checkpoint(path, "int8", output_path=path.with_name("draft_int8.pth")))
+    prompt = torch.tensor([9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12])
+    accepted = []
+    spec = speculative_generate(target, prompt, 24, draft_model=draft, k=4, accepted=accepted)
+    assert spec.tolist() == generate(target, prompt, 24, temperature=0.0).tolist()
+    assert sum(accepted) > 0
+
+
 def test_gptq_runs_block_by_block_with_each_layers_window(converted):
     """GPTQ feeds each block the mask and RoPE Transformer.forward gives it (Gemma 2: sliding and
     global layers) and the scaled embeddings: on its calibration inputs every layer beats RTN."""
