@@ -135,22 +135,19 @@ class Hessian:
 # ---------------------------------------------------------------------------------------------
 # The whole model, block by block
 
-def block_arguments(model: Transformer, seq_length: int, device) -> tuple:
-    """(input_pos, rope, mask) that Transformer.forward passes its blocks for one sequence."""
-    captured = {}
-
-    def catch(module, args):
-        captured["args"] = args[1:]
-        raise _Stop
-
-    handle = model.layers[0].register_forward_pre_hook(catch)
+def block_arguments(model: Transformer, seq_length: int, device) -> list:
+    """Per block, the (input_pos, rope, mask) that Transformer.forward passes it for one sequence
+    (blocks differ where the config gives some layers a sliding window or their own RoPE)."""
+    captured = []
+    handles = [layer.register_forward_pre_hook(lambda module, args: captured.append(args[1:]))
+               for layer in model.layers]
     try:
-        model(torch.zeros(1, seq_length, dtype=torch.long, device=device), torch.arange(seq_length, device=device))
-    except _Stop:
-        pass
+        with torch.no_grad():
+            model(torch.zeros(1, seq_length, dtype=torch.long, device=device), torch.arange(seq_length, device=device))
     finally:
-        handle.remove()
-    return captured["args"]
+        for h in handles:
+            h.remove()
+    return captured
 
 
 @torch.no_grad()
@@ -193,12 +190,12 @@ def gptq_model(model: Transformer, tokens: Tensor, groupsize: int, percdamp: flo
     # The embedding is a lookup, not a product: int8 rows as quantize.py makes them.
     out["tok_embeddings.weight"], out["tok_embeddings.scales"] = quantize_int8(model.tok_embeddings.weight)
     layers["tok_embeddings"] = {"kind": "int8"}
-    x = model.tok_embeddings(tokens)  # (n, T, D): the first block's inputs
+    x = model.embed(tokens)  # (n, T, D): the first block's inputs
 
-    def run(block) -> Tensor:
+    def run(block, block_args) -> Tensor:
         return torch.cat([block(x[j:j + 1], *block_args) for j in range(n)])
 
-    def hessian(block, module: nn.Linear) -> Tensor:
+    def hessian(block, block_args, module: nn.Linear) -> Tensor:
         """H of `module`'s inputs when the calibration batch runs through `block` as it is now."""
         acc = Hessian(module.in_features, device)
 
@@ -218,12 +215,12 @@ def gptq_model(model: Transformer, tokens: Tensor, groupsize: int, percdamp: flo
         return acc.value()
 
     t0 = time.perf_counter()
-    for i, block in enumerate(model.layers):
+    for i, (block, args) in enumerate(zip(model.layers, block_args)):
         log(f"block {i + 1}/{len(model.layers)} ({time.perf_counter() - t0:.0f} s)")
         for names in BLOCK_LINEARS:
             modules = [block.get_submodule(name) for name in names]
-            quantize([f"layers.{i}.{name}" for name in names], modules, hessian(block, modules[0]))
-        x = run(block)  # the next block's inputs, from this block quantized
+            quantize([f"layers.{i}.{name}" for name in names], modules, hessian(block, args, modules[0]))
+        x = run(block, args)  # the next block's inputs, from this block quantized
     acc = Hessian(model.config.dim, device)
     for j in range(n):
         acc.add(model.norm(x[j]))

@@ -202,10 +202,11 @@ def model_bytes(model: Transformer) -> int:
     """Bytes of weights read per decoded token (MoE: only the activated experts)."""
     total = 0
     for name, t in weights(model):
-        if name.endswith("rope_cos_sin"):
+        if name.endswith("cos_sin"):  # the RoPE tables
             continue
         size = t.numel() * t.element_size()
-        if model.config.num_experts and ".feed_forward.w" in name:
+        *_, parent, leaf = name.split(".")
+        if parent == "feed_forward" and leaf.startswith("w"):  # stacked experts (not a MoE model's dense layers)
             size = size * model.config.num_activated_experts // model.config.num_experts
         total += size
     return total

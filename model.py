@@ -1,12 +1,12 @@
 # Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
-"""One decoder-only Transformer for the LLaMA family, with a static KV cache.
+"""One decoder-only Transformer for the LLaMA family and its relatives, with a static KV cache.
 
 Plain single-device PyTorch: quantize.py swaps its linears and tp.py shards it from outside.
-Variants (GQA, q/k/v bias, tied embeddings, rope scaling, mixture of experts) come from
-`ModelArgs`, which the converters write as config.json beside the weights.
+Variants (GQA, q/k/v bias, tied embeddings, rope scaling, mixture of experts, q/k norms, Gemma's
+norms, GeGLU and soft-capping, per-layer sliding windows and RoPE) come from `ModelArgs`, which
+the converters write as config.json beside the weights; the defaults are LLaMA's.
 """
 import json
-import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional
@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 from torch.nn import functional as F
+
+from rope import apply_rope, precompute_rope
 
 
 @dataclass
@@ -35,6 +37,22 @@ class ModelArgs:
     sliding_window: Optional[int] = None  # Mistral v0.1: attend to the last N positions only
     num_experts: int = 0  # > 0 selects the mixture-of-experts feed-forward (Mixtral)
     num_activated_experts: int = 2
+    moe_intermediate_size: Optional[int] = None  # each expert's hidden size; None: intermediate_size
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities (Mixtral; a Qwen3-MoE option)
+    dense_layers: Optional[list] = None  # layers that keep the dense feed-forward in a MoE model (Qwen3-MoE)
+    # Per-family pieces; the defaults are LLaMA's.
+    qk_norm: Optional[str] = None  # RMSNorm of q and k: "head" per head (Qwen3, Gemma 3), "all" over the projection (OLMo 2)
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): 1.0 in Gemma
+    block_norms: str = "pre"  # "pre": x + f(norm(x)); "sandwich": x + norm(f(norm(x))) (Gemma); "post": x + norm(f(x)) (OLMo 2)
+    hidden_act: str = "silu"  # the feed-forward's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    embedding_scale: Optional[float] = None  # embeddings times this, in the activation dtype (Gemma: sqrt(dim))
+    attention_scale: Optional[float] = None  # softmax scale; None: head_dim ** -0.5
+    attn_logit_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: Optional[float] = None  # the same on the output logits (Gemma 2)
+    sliding_window_layers: Optional[list] = None  # layers that use sliding_window; None: all of them
+    rope_local_base: Optional[float] = None  # RoPE base of the sliding-window layers, unscaled (Gemma 3)
+    rope_dim: Optional[int] = None  # leading dims of each head that RoPE rotates (partial rotary); None: head_dim
+    no_rope_layers: Optional[list] = None  # layers without RoPE (SmolLM3)
 
     def __post_init__(self):
         if self.n_local_heads == -1:
@@ -45,6 +63,19 @@ class ModelArgs:
             # LLaMA's rule: 2/3 of 4*dim, rounded up to a multiple of 256.
             hidden = int(2 * (4 * self.dim) / 3)
             self.intermediate_size = 256 * ((hidden + 255) // 256)
+        if self.rope_dim is None:
+            self.rope_dim = self.head_dim
+        if self.num_experts and self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+        for name, value, valid in (("qk_norm", self.qk_norm, (None, "head", "all")),
+                                   ("block_norms", self.block_norms, tuple(BLOCK_NORMS)),
+                                   ("hidden_act", self.hidden_act, tuple(ACTIVATIONS))):
+            if value not in valid:
+                raise ValueError(f"unsupported {name} {value!r}; supported: {', '.join(map(str, valid))}")
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.sliding_window is not None and (self.sliding_window_layers is None
+                                                    or layer in self.sliding_window_layers)
 
     @classmethod
     def from_name(cls, name: str) -> "ModelArgs":
@@ -143,8 +174,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
-        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layer))
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -152,7 +183,7 @@ class Transformer(nn.Module):
         self.max_seq_length = -1
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None, device=None):
-        """Allocate the static KV cache and the RoPE table for up to max_seq_length positions."""
+        """Allocate the static KV cache and the RoPE tables for up to max_seq_length positions."""
         if max_seq_length > self.config.block_size:
             raise ValueError(f"max_seq_length {max_seq_length} is longer than the model's context "
                              f"({self.config.block_size} tokens)")
@@ -164,11 +195,22 @@ class Transformer(nn.Module):
         device = device or weight.device
         self.max_seq_length, self.max_batch_size = max_seq_length, max_batch_size
         for layer in self.layers:
+            # Sliding-window layers keep every position too: the mask hides the old ones.
             layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, c.n_local_heads, c.head_dim,
                                                dtype).to(device)
         # RoPE tables stay in fp32: bf16 angles lose whole positions past a few thousand tokens.
-        self.register_buffer("rope_cos_sin", precompute_rope(max_seq_length, c.head_dim, c.rope_base,
+        self.register_buffer("rope_cos_sin", precompute_rope(max_seq_length, c.rope_dim, c.rope_base,
                                                              c.rope_scaling).to(device), persistent=False)
+        if c.rope_local_base is not None:  # Gemma 3's sliding-window layers: their own base, no scaling
+            self.register_buffer("rope_local_cos_sin", precompute_rope(max_seq_length, c.rope_dim, c.rope_local_base)
+                                 .to(device), persistent=False)
+
+    def embed(self, idx: Tensor) -> Tensor:
+        x = self.tok_embeddings(idx)
+        if self.config.embedding_scale is not None:
+            # Gemma rounds sqrt(dim) to the activation dtype before multiplying, as transformers does.
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype, device=x.device)
+        return x
 
     def forward(self, idx: Tensor, input_pos: Tensor, last_only: bool = False, from_start: bool = False,
                 cache_rows: Optional[Tensor] = None, logits_at: Optional[Tensor] = None,
@@ -188,45 +230,72 @@ class Transformer(nn.Module):
         """
         if self.max_seq_length < 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before the forward pass")
-        rope = self.rope_cos_sin[input_pos]  # (T, head_dim, 2) or (B, T, head_dim, 2)
-        window = self.config.sliding_window
-        mask = None  # None: causal within idx
-        if not (from_start and (window is None or idx.shape[1] <= window)):
-            # Key position j is visible from query position i when j <= i (and within the window).
-            k_pos = torch.arange(kv_len or self.max_seq_length, device=idx.device)
-            q_pos = input_pos[..., None]  # (T, 1) or (B, T, 1)
-            mask = k_pos <= q_pos  # (T, S) or (B, T, S)
-            if window is not None:
-                mask = mask & (k_pos > q_pos - window)
-            # Rows per query head of a GQA group, as Attention folds them: (rep * T, S) or (B, 1, rep * T, S).
-            rep = self.config.n_head // self.config.n_local_heads
-            mask = mask.repeat(rep, 1) if mask.dim() == 2 else mask.repeat(1, rep, 1)[:, None]
-        x = self.tok_embeddings(idx)
+        c = self.config
+        rope = self.rope_cos_sin[input_pos]  # (T, rope_dim, 2) or (B, T, rope_dim, 2)
+        local_rope = self.rope_local_cos_sin[input_pos] if c.rope_local_base is not None else rope
+        # One mask for the full-attention layers and one for the sliding-window layers, each built
+        # only when some layer needs it.
+        masks = {}
         for layer in self.layers:
-            x = layer(x, input_pos, rope, mask, cache_rows)
+            if layer.sliding not in masks:
+                masks[layer.sliding] = self.attention_mask(input_pos, idx.shape[1], from_start,
+                                                           c.sliding_window if layer.sliding else None, kv_len)
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x, input_pos, local_rope if layer.sliding else rope, masks[layer.sliding], cache_rows)
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]  # (B, 1, D)
         elif last_only:
             x = x[:, -1:]
-        return self.output(self.norm(x))
+        logits = self.output(self.norm(x))
+        if c.final_logit_softcap is not None:
+            logits = c.final_logit_softcap * torch.tanh(logits / c.final_logit_softcap)
+        return logits
+
+    def attention_mask(self, input_pos: Tensor, T: int, from_start: bool, window: Optional[int],
+                       kv_len: Optional[int] = None) -> Optional[Tensor]:
+        """True where a query row may see a cache position: (n_head // n_local_heads * T, S) for
+        positions [T], (B, 1, that, S) for per-row positions [B, T]; S = kv_len or the whole cache.
+        None for causal attention within idx (a prompt from position 0 that fits the window, and
+        SDPA's causal kernel computes the scores: not with soft-capping)."""
+        c = self.config
+        if from_start and (window is None or T <= window) and c.attn_logit_softcap is None:
+            return None
+        # Key position j is visible from query position i when j <= i (and within the window).
+        k_pos = torch.arange(kv_len or self.max_seq_length, device=input_pos.device)
+        q_pos = input_pos[..., None]  # (T, 1) or (B, T, 1)
+        mask = k_pos <= q_pos  # (T, S) or (B, T, S)
+        if window is not None:
+            mask = mask & (k_pos > q_pos - window)
+        # Rows per query head of a GQA group, as Attention folds them.
+        rep = c.n_head // c.n_local_heads
+        return mask.repeat(rep, 1) if mask.dim() == 2 else mask.repeat(1, rep, 1)[:, None]
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: ModelArgs):
+    def __init__(self, config: ModelArgs, layer_id: int):
         super().__init__()
-        self.attention = Attention(config)
-        self.feed_forward = MoEFeedForward(config) if config.num_experts > 0 else FeedForward(config)
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.sliding = config.is_sliding(layer_id)  # Transformer.forward hands it the window's mask (and local RoPE)
+        self.attention = Attention(config, layer_id)
+        moe = config.num_experts > 0 and layer_id not in (config.dense_layers or ())
+        self.feed_forward = MoEFeedForward(config) if moe else FeedForward(config)
+        # Norms before and/or after each sublayer (BLOCK_NORMS); the missing ones are identities.
+        pre, post = BLOCK_NORMS[config.block_norms]
+        norm = lambda on: RMSNorm(config.dim, config.norm_eps, config.norm_offset) if on else nn.Identity()
+        self.attention_norm, self.ffn_norm = norm(pre), norm(pre)
+        self.post_attention_norm, self.post_ffn_norm = norm(post), norm(post)
 
     def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Optional[Tensor],
                 cache_rows: Optional[Tensor] = None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), input_pos, rope, mask, cache_rows)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), input_pos, rope, mask, cache_rows))
+        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
+
+
+BLOCK_NORMS = {"pre": (True, False), "sandwich": (True, True), "post": (False, True)}  # (before, after)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelArgs):
+    def __init__(self, config: ModelArgs, layer_id: int = 0):
         super().__init__()
         self.n_head, self.n_local_heads, self.head_dim = config.n_head, config.n_local_heads, config.head_dim
         # q, k and v in one projection: one matrix-vector product per layer instead of three.
@@ -234,6 +303,16 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.attention_bias)
         self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
+        self.scale = config.attention_scale or config.head_dim ** -0.5
+        self.softcap = config.attn_logit_softcap
+        self.use_rope = layer_id not in (config.no_rope_layers or ())
+        self.qk_norm = config.qk_norm
+        if config.qk_norm is not None:
+            # "head": one norm over head_dim shared by the heads; "all": over the whole q (k) projection.
+            q_size, k_size = ((config.head_dim, config.head_dim) if config.qk_norm == "head" else
+                              (config.n_head * config.head_dim, config.n_local_heads * config.head_dim))
+            self.q_norm = RMSNorm(q_size, config.norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(k_size, config.norm_eps, config.norm_offset)
 
     def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Optional[Tensor],
                 cache_rows: Optional[Tensor] = None) -> Tensor:
@@ -243,14 +322,20 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q_dim, kv_dim = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+        if self.qk_norm == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, self.n_head, self.head_dim)
         k = k.view(B, T, self.n_local_heads, self.head_dim)
         v = v.view(B, T, self.n_local_heads, self.head_dim)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
         self.kv_cache.update(input_pos, k, v, cache_rows)
         if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=k.shape[1] != q.shape[1])
             return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
         k, v = self.kv_cache.read(B, cache_rows, mask.shape[-1])  # (B, n_kv, S, hd)
         # GQA: the query heads that share a key/value head become rows of one attention over it.
@@ -259,11 +344,17 @@ class Attention(nn.Module):
         rep = self.n_head // self.n_local_heads
         q = q.reshape(B, self.n_local_heads, rep * T, self.head_dim)
         if T == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
-            y = decode_attention(q, k, v, mask)
+            y = decode_attention(q, k, v, mask, self.scale, self.softcap)
+        elif self.softcap is not None:  # SDPA cannot soft-cap its scores
+            y = softcapped_attention(q, k, v, mask, self.scale, self.softcap)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, n_kv, rep * T, hd)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # (B, n_kv, rep * T, hd)
         # reshape, not view: CUDA's attention kernels return y in another memory layout.
         return self.wo(y.reshape(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, q_dim))
+
+
+# The feed-forward's gate activation: SwiGLU's SiLU, GeGLU's tanh-approximated GELU.
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class FeedForward(nn.Module):
@@ -272,13 +363,14 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=False)  # gate
         self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=False)  # up
         self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)  # down
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 class MoEFeedForward(nn.Module):
-    """Mixtral's sparse feed-forward: each token runs its top-k experts, weighted by the router.
+    """Sparse feed-forward (Mixtral, Qwen3-MoE): each token runs its top-k experts, weighted by the router.
 
     Subclasses (quantize's int8 / int4 experts) change how experts are stored and applied:
     `make_experts`, `expert`, `expert_weights`, and `gathers` (whether a compiled decode step can
@@ -288,8 +380,10 @@ class MoEFeedForward(nn.Module):
 
     def __init__(self, config: ModelArgs):
         super().__init__()
-        E, D, I = config.num_experts, config.dim, config.intermediate_size
+        E, D, I = config.num_experts, config.dim, config.moe_intermediate_size
         self.top_k = config.num_activated_experts
+        self.norm_topk_prob = config.norm_topk_prob
+        self.act = ACTIVATIONS[config.hidden_act]
         self.gate = nn.Linear(D, E, bias=False)
         self.make_experts(E, D, I)
 
@@ -304,13 +398,16 @@ class MoEFeedForward(nn.Module):
         return self.gate.out_features
 
     def route(self, x: Tensor):
-        """x: (N, D) -> weights, experts (N, k): softmax over all experts, top-k, renormalised (Mixtral)."""
+        """x: (N, D) -> weights, experts (N, k): softmax over all experts, top-k, renormalised
+        unless the config says otherwise (Qwen3-MoE's norm_topk_prob=false)."""
         probs = F.softmax(self.gate(x).float(), dim=-1)  # (N, E)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
-        return (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype), experts
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
 
     def expert(self, x: Tensor, e: int) -> Tensor:
-        return F.linear(F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e])
+        return F.linear(self.act(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e])
 
     def expert_weights(self, experts: Tensor):
         """w1, w3 (N, k, I, D), w2 (N, k, D, I) of the selected experts; compiled, the gather fuses into the matmuls."""
@@ -332,7 +429,7 @@ class MoEFeedForward(nn.Module):
         if self.gathers and x.shape[0] * self.top_k <= E:
             # Compiled decode: only the selected experts' weights are read.
             w1, w3, w2 = self.expert_weights(experts)
-            h = F.silu(torch.einsum("nd,nkid->nki", x, w1)) * torch.einsum("nd,nkid->nki", x, w3)  # (N, k, I)
+            h = self.act(torch.einsum("nd,nkid->nki", x, w1)) * torch.einsum("nd,nkid->nki", x, w3)  # (N, k, I)
             y = torch.einsum("nki,nkdi->nkd", h, w2)  # (N, k, D)
             return torch.einsum("nkd,nk->nd", y, weights).reshape(shape)
         return self.all_experts(x, weights, experts).reshape(shape)
@@ -347,57 +444,37 @@ class MoEFeedForward(nn.Module):
         return out
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float,
+                     softcap: Optional[float] = None) -> Tensor:
     """SDPA for a few query rows, written as products and sums that inductor fuses into loops over
     the cache. In a compiled CPU decode step the SDPA op's fixed cost per layer is a visible part of
     a small quantized model's step; fused, it is gone."""
-    scores = (q[..., :, None, :].float() * k[..., None, :, :].float()).sum(-1) * q.shape[-1] ** -0.5
+    scores = (q[..., :, None, :].float() * k[..., None, :, :].float()).sum(-1) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # (B, H, rows, S)
     return (probs[..., None] * v[..., None, :, :].float()).sum(-2).to(q.dtype)
 
 
+def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float) -> Tensor:
+    """Attention with Gemma 2's soft-capped scores: cap * tanh(scores / cap) before the softmax."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, n_kv, rows, S)
+    scores = softcap * torch.tanh(scores / softcap)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return (probs @ v.float()).to(q.dtype)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32 like the reference implementations, then scale in the model dtype.
+        # Normalise in fp32 like the reference implementations, then scale in the model dtype;
+        # Gemma scales by (1 + weight) in fp32, as its checkpoints store weight - 1 to stay exact.
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
-
-
-def rope_frequencies(head_dim: int, base: float, scaling: Optional[dict]) -> Tensor:
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        # LLaMA 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)
-        return (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
-
-
-def precompute_rope(seq_len: int, head_dim: int, base: float, scaling: Optional[dict] = None) -> Tensor:
-    """(seq_len, head_dim, 2) table of cos and sin, in the half-split layout of HF checkpoints."""
-    inv_freq = rope_frequencies(head_dim, base, scaling)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)  # (S, hd/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (S, hd)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
-
-
-def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    # x: (B, T, nh, hd); rope: (T, hd, 2) or (B, T, hd, 2). Rotates dimension i with i + hd/2 (rotate_half).
-    rope = rope.expand(x.shape[0], *rope.shape[-3:])  # (B, T, hd, 2)
-    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos + rotated * sin).type_as(x)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (normed * (self.offset + self.weight.float())).type_as(x)
+        return normed.type_as(x) * self.weight

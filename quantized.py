@@ -318,7 +318,7 @@ class QuantizedMoEFeedForward(MoEFeedForward):
                            self.kernels[name])
 
     def expert(self, x: Tensor, e: int) -> Tensor:
-        return self.linear(F.silu(self.linear(x, "w1", e)) * self.linear(x, "w3", e), "w2", e)
+        return self.linear(self.act(self.linear(x, "w1", e)) * self.linear(x, "w3", e), "w2", e)
 
     def expert_weights(self, experts: Tensor):
         """int8: the selected experts' weights, dequantized; compiled, gather and scaling fuse into the matmuls."""

@@ -36,8 +36,11 @@ MOE_LAYOUT = {"w1": 1, "w3": 1, "w2": 2}  # (E, I, D), (E, I, D), (E, D, I)
 
 
 def check_divisible(config, world_size: int):
-    sizes = {"n_head": config.n_head, "n_local_heads (key/value heads)": config.n_local_heads,
-             "intermediate_size" + (" (of each expert)" if config.num_experts else ""): config.intermediate_size}
+    sizes = {"n_head": config.n_head, "n_local_heads (key/value heads)": config.n_local_heads}
+    if not config.num_experts or config.dense_layers:
+        sizes["intermediate_size"] = config.intermediate_size
+    if config.num_experts:
+        sizes["moe_intermediate_size (of each expert)"] = config.moe_intermediate_size
     for name, size in sizes.items():
         if size % world_size:
             common = math.gcd(*sizes.values())
@@ -63,6 +66,9 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
         _shard_linear(attn.wqkv, "out", parts=[q_dim, kv_dim, kv_dim], **shard)
         _shard_linear(attn.wo, "in", **shard)
         attn.n_head, attn.n_local_heads = c.n_head // world_size, c.n_local_heads // world_size
+        if c.qk_norm == "all":  # OLMo 2 normalises q (k) over all heads, which now span the ranks
+            attn.q_norm = ShardedRMSNorm(attn.q_norm, group, **shard)
+            attn.k_norm = ShardedRMSNorm(attn.k_norm, group, **shard)
         attn.register_forward_hook(_all_reduce_output(group))
 
         ff = layer.feed_forward
@@ -82,8 +88,27 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
 
     # setup_caches sizes the KV cache from the config: it must describe this rank's shard.
     model.config = replace(c, n_head=c.n_head // world_size, n_local_heads=c.n_local_heads // world_size,
-                           intermediate_size=c.intermediate_size // world_size)
+                           intermediate_size=c.intermediate_size // world_size,
+                           moe_intermediate_size=c.moe_intermediate_size // world_size if c.num_experts else None)
     return model
+
+
+class ShardedRMSNorm(nn.Module):
+    """An RMSNorm over features split across the ranks (OLMo 2's q/k norm over every head): the
+    mean of squares is summed over the ranks, the weight is this rank's slice."""
+
+    def __init__(self, norm: nn.Module, group, rank: int, world_size: int):
+        super().__init__()
+        self.eps, self.offset, self.group = norm.eps, norm.offset, group
+        self.full_dim = norm.weight.shape[0]
+        self.weight = nn.Parameter(_take(norm.weight.detach(), 0, rank, world_size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        sum_sq = funcol.all_reduce(xf.pow(2).sum(-1, keepdim=True), "sum", self.group)
+        normed = xf * torch.rsqrt(sum_sq / self.full_dim + self.eps)
+        return (normed * (self.offset + self.weight.float())).type_as(x) if self.offset else \
+            normed.type_as(x) * self.weight
 
 
 def _shard_linear(linear: nn.Module, side: str, rank: int, world_size: int, parts=None, pad=False):

@@ -1,10 +1,11 @@
 # Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
-"""Convert a LLaMA-architecture GGUF file (llama.cpp's format) into brisk's checkpoint dir.
+"""Convert a GGUF file (llama.cpp's format) of a supported architecture into brisk's checkpoint dir.
 
 Writes model.pth, config.json and the tokenizer (tokenizer.json, tokenizer_config.json,
 generation_config.json) rebuilt from the GGUF metadata. Quantized tensors are dequantized to
-float32; F32/F16/BF16 tensors keep their dtype (--dtype overrides both). llama.cpp stores q/k
-rows interleaved for its RoPE kernel; they are put back in the Hugging Face half-split layout.
+float32; F32/F16/BF16 tensors keep their dtype (--dtype overrides both). llama.cpp stores the q/k
+rows of architecture `llama` interleaved for its RoPE kernel; they are put back in the Hugging
+Face half-split layout (the other architectures keep HF's). Gemma's norms are stored as 1 + weight.
 """
 import argparse
 import json
@@ -20,10 +21,12 @@ import torch
 if __name__ == "__main__":  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from load import atomic_save  # noqa: E402
-from model import ModelArgs, rope_frequencies  # noqa: E402
-from scripts.convert_hf_checkpoint import check_against_model  # noqa: E402
+from model import ModelArgs  # noqa: E402
+from rope import rope_frequencies  # noqa: E402
+from scripts.convert_hf_checkpoint import check_against_model, split_gate_up  # noqa: E402
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "olmo2")
+GEMMA = ("gemma2", "gemma3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # GGUF name (layer index as {}) -> brisk name. q/k/v are fused into wqkv afterwards.
@@ -45,8 +48,20 @@ WEIGHT_MAP = {
     "blk.{}.ffn_gate_exps.weight": "layers.{}.feed_forward.w1",
     "blk.{}.ffn_up_exps.weight": "layers.{}.feed_forward.w3",
     "blk.{}.ffn_down_exps.weight": "layers.{}.feed_forward.w2",
+    "blk.{}.attn_q.bias": "layers.{}.attention.wq.bias",  # Qwen2
+    "blk.{}.attn_k.bias": "layers.{}.attention.wk.bias",
+    "blk.{}.attn_v.bias": "layers.{}.attention.wv.bias",
+    "blk.{}.attn_q_norm.weight": "layers.{}.attention.q_norm.weight",  # Qwen3, Gemma 3, OLMo 2
+    "blk.{}.attn_k_norm.weight": "layers.{}.attention.k_norm.weight",
+    "blk.{}.post_attention_norm.weight": "layers.{}.post_attention_norm.weight",  # Gemma 2/3, OLMo 2
+    "blk.{}.post_ffw_norm.weight": "layers.{}.post_ffn_norm.weight",
+    "blk.{}.attn_qkv.weight": "layers.{}.attention.wqkv.weight",  # Phi-3: q, k, v fused in our order
 }
+# Phi-3 keeps gate and up fused in ffn_up as [2I, D].
+ARCH_WEIGHT_MAP = {"phi3": {"blk.{}.ffn_up.weight": "layers.{}.feed_forward.w13.weight"}}
 ROPE_FREQS = "rope_freqs.weight"  # LLaMA 3.1+ stores its rope scaling as per-frequency divisors
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
+NOT_WEIGHTS = (ROPE_FREQS, *ROPE_FACTORS)
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -61,6 +76,9 @@ _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p
 _TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
            r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
            r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # name -> (split regex, digits one by one first, whole words in the vocab skip the merges)
 PRE_TOKENIZERS = {
     "gpt2": (_GPT2, False, False),
@@ -76,6 +94,7 @@ PRE_TOKENIZERS = {
     "qwen2": (_QWEN2, False, False),
     "deepseek-r1-qwen": (_QWEN2, False, False),
     "tekken": (_TEKKEN, False, False),
+    "gpt-4o": (_GPT4O, False, False),  # Phi-4-mini (o200k)
 }
 
 
@@ -118,24 +137,66 @@ def config_from_gguf(reader) -> ModelArgs:
         raise ValueError(f"per-layer {arch}.attention.head_count_kv is not supported (one value for all layers)")
     if "token_embd.weight" not in tensors:
         raise ValueError("GGUF has no token_embd.weight tensor")
-    head_dim = get("attention.key_length", get("rope.dimension_count", dim // n_head))
+    n_layer = get("block_count")
+    rope_dim = field(reader, f"{arch}.rope.dimension_count")
+    head_dim = get("attention.key_length", rope_dim if arch == "llama" and rope_dim else dim // n_head)
     rope_base = float(get("rope.freq_base", 10000.0))
+    experts = get("expert_count", 0)
+    # A MoE file whose layer has no router keeps the dense feed-forward there.
+    dense = [i for i in range(n_layer) if f"blk.{i}.ffn_gate_inp.weight" not in tensors] if experts else []
+    window = field(reader, f"{arch}.attention.sliding_window")
+    gemma = arch in GEMMA
     return ModelArgs(
         block_size=get("context_length"),
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ggml shapes are [cols, rows]
-        n_layer=get("block_count"),
+        n_layer=n_layer,
         n_head=n_head,
         dim=dim,
         intermediate_size=get("feed_forward_length"),
         n_local_heads=n_local_heads,
         head_dim=head_dim,
         rope_base=rope_base,
-        rope_scaling=rope_scaling_from_gguf(reader, arch, tensors, head_dim, rope_base),
+        rope_scaling=rope_scaling_from_gguf(reader, arch, tensors, rope_dim or head_dim, rope_base),
         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        attention_bias="blk.0.attn_q.bias" in tensors,
         tie_embeddings="output.weight" not in tensors,
-        num_experts=get("expert_count", 0),
+        sliding_window=window or None,
+        num_experts=experts,
         num_activated_experts=get("expert_used_count", 2),
+        moe_intermediate_size=field(reader, f"{arch}.expert_feed_forward_length"),
+        # llama.cpp renormalises the top-k weights of qwen3moe unless the file says otherwise.
+        norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", True)),
+        dense_layers=dense or None,
+        qk_norm="all" if arch == "olmo2" else "head" if "blk.0.attn_q_norm.weight" in tensors else None,
+        norm_offset=1.0 if gemma else 0.0,
+        block_norms="sandwich" if gemma else "post" if arch == "olmo2" else "pre",
+        hidden_act="gelu_tanh" if gemma else "silu",
+        embedding_scale=dim ** 0.5 if gemma else None,
+        attention_scale=gemma_attention_scale(arch, n_layer, dim, n_head, head_dim) if gemma else None,
+        attn_logit_softcap=field(reader, f"{arch}.attn_logit_softcapping"),
+        final_logit_softcap=field(reader, f"{arch}.final_logit_softcapping"),
+        sliding_window_layers=sliding_layers(reader, arch, n_layer) if window else None,
+        rope_local_base=float(field(reader, f"{arch}.rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
+        rope_dim=rope_dim or head_dim,
     )
+
+
+def gemma_attention_scale(arch: str, n_layer: int, dim: int, n_head: int, head_dim: int) -> float:
+    """llama.cpp's rule (it stores no query_pre_attn_scalar): the 27B Gemma 2 (46 layers) and Gemma 3
+    (62 layers) scale by dim / n_head, the others by head_dim, as their HF configs say."""
+    big = n_layer == (46 if arch == "gemma2" else 62)
+    return (dim // n_head if big else head_dim) ** -0.5
+
+
+def sliding_layers(reader, arch: str, n_layer: int):
+    """Layers with the sliding window: llama.cpp's pattern of n is n - 1 local layers, then a global
+    one (Gemma 2: 2, Gemma 3: 6, unless the file lists them); other architectures window every layer."""
+    pattern = field(reader, f"{arch}.attention.sliding_window_pattern", {"gemma2": 2, "gemma3": 6}.get(arch))
+    if pattern is None:
+        return None
+    if isinstance(pattern, list):  # one flag per layer
+        return [i for i, local in enumerate(pattern) if local]
+    return [i for i in range(n_layer) if (i + 1) % pattern]
 
 
 def rope_scaling_from_gguf(reader, arch, tensors, head_dim, rope_base):
@@ -144,6 +205,14 @@ def rope_scaling_from_gguf(reader, arch, tensors, head_dim, rope_base):
         return {"rope_type": "linear", "factor": float(field(reader, f"{arch}.rope.scaling.factor"))}
     if kind != "none":
         raise ValueError(f"unsupported GGUF rope scaling {kind!r}; supported: linear, LLaMA 3 rope_freqs")
+    if ROPE_FACTORS[0] in tensors:
+        # Phi-3 128k: llama.cpp stores longrope's two factor sets as tensors.
+        original = field(reader, f"{arch}.rope.scaling.original_context_length")
+        return {"rope_type": "longrope", "long_factor": dequantize(tensors[ROPE_FACTORS[0]]).tolist(),
+                "short_factor": dequantize(tensors[ROPE_FACTORS[1]]).tolist(),
+                "original_max_position_embeddings": original,
+                "factor": field(reader, f"{arch}.context_length") / original,
+                "attention_factor": field(reader, f"{arch}.rope.scaling.attn_factor")}
     if ROPE_FREQS not in tensors:
         return None
     divisors = torch.from_numpy(dequantize(tensors[ROPE_FREQS]).copy()).double()
@@ -206,18 +275,20 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def rename(gguf_name: str) -> str:
+def rename(gguf_name: str, weight_map: dict = WEIGHT_MAP) -> str:
     numbers = re.findall(r"\.(\d+)\.", gguf_name)
     pattern = re.sub(r"\.\d+\.", ".{}.", gguf_name)
-    if pattern not in WEIGHT_MAP:
+    if pattern not in weight_map:
         raise ValueError(f"unmapped GGUF tensor {gguf_name!r}: this architecture variant is not supported")
-    return WEIGHT_MAP[pattern].format(*numbers)
+    return weight_map[pattern].format(*numbers)
 
 
 def convert_tensors(reader, config: ModelArgs, dtype=None) -> dict:
+    arch = field(reader, "general.architecture")
+    weight_map = {**WEIGHT_MAP, **ARCH_WEIGHT_MAP.get(arch, {})}
     groups = {}  # -1: embeddings, final norm, output; then one group per layer
     for t in reader.tensors:
-        if t.name != ROPE_FREQS:
+        if t.name not in NOT_WEIGHTS:
             groups.setdefault(int(t.name.split(".")[1]) if t.name.startswith("blk.") else -1, []).append(t)
     state = {}
     for k, group in enumerate(sorted(groups), 1):
@@ -227,14 +298,26 @@ def convert_tensors(reader, config: ModelArgs, dtype=None) -> dict:
         print(f"[{k}/{len(groups)}] {label}: " + ", ".join(f"{n} {name}" for name, n in kinds.items()),
               file=sys.stderr, flush=True)
         for t in tensors:
-            state[rename(t.name)] = to_torch(t, dtype)
+            w = to_torch(t, dtype)
+            if config.norm_offset and t.name.endswith("norm.weight"):
+                # llama.cpp stores Gemma's norms as 1 + weight; brisk keeps weight (model.RMSNorm adds the 1).
+                w = (w.float() - config.norm_offset).to(w.dtype)
+            state[rename(t.name, weight_map)] = w
     for i in range(config.n_layer):
         p = f"layers.{i}.attention."
+        f = f"layers.{i}.feed_forward."
+        if f + "w13.weight" in state:  # Phi-3's fused gate and up
+            state[f + "w1.weight"], state[f + "w3.weight"] = split_gate_up(state.pop(f + "w13.weight"))
+        if p + "wqkv.weight" in state:
+            continue
         if not all(p + f"w{x}.weight" in state for x in "qkv"):
             raise ValueError(f"layer {i}: q/k/v weights are incomplete in the GGUF file")
-        q = unpermute(state.pop(p + "wq.weight"), config.n_head)
-        k = unpermute(state.pop(p + "wk.weight"), config.n_local_heads)
+        q, k = state.pop(p + "wq.weight"), state.pop(p + "wk.weight")
+        if arch == "llama":
+            q, k = unpermute(q, config.n_head), unpermute(k, config.n_local_heads)
         state[p + "wqkv.weight"] = torch.cat([q, k, state.pop(p + "wv.weight")])
+        if config.attention_bias:
+            state[p + "wqkv.bias"] = torch.cat([state.pop(p + f"w{x}.bias") for x in "qkv"])
     return state
 
 

@@ -18,8 +18,10 @@ if __name__ == "__main__":  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from load import atomic_save  # noqa: E402
 from model import ModelArgs  # noqa: E402
+from rope import ROPE_TYPES, rope_type  # noqa: E402
 
-SUPPORTED = ("llama", "mistral", "qwen2", "mixtral")
+SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
+             "smollm3", "olmo2")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 
@@ -35,6 +37,8 @@ WEIGHT_MAP = {
     "model.layers.{}.self_attn.k_proj.bias": "layers.{}.attention.wk.bias",
     "model.layers.{}.self_attn.v_proj.bias": "layers.{}.attention.wv.bias",
     "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
+    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",  # Qwen3, Gemma 3, OLMo 2
+    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight",
     "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
     "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
     "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
@@ -45,12 +49,47 @@ WEIGHT_MAP = {
     "model.layers.{}.block_sparse_moe.experts.{}.w1.weight": "layers.{}.feed_forward.w1.{}",
     "model.layers.{}.block_sparse_moe.experts.{}.w2.weight": "layers.{}.feed_forward.w2.{}",
     "model.layers.{}.block_sparse_moe.experts.{}.w3.weight": "layers.{}.feed_forward.w3.{}",
-    # Mixtral, transformers 5 in-memory layout: experts stacked, gate and up fused as [E, 2I, D].
+    # Qwen3-MoE, hub layout.
+    "model.layers.{}.mlp.experts.{}.gate_proj.weight": "layers.{}.feed_forward.w1.{}",
+    "model.layers.{}.mlp.experts.{}.up_proj.weight": "layers.{}.feed_forward.w3.{}",
+    "model.layers.{}.mlp.experts.{}.down_proj.weight": "layers.{}.feed_forward.w2.{}",
+    # Mixtral and Qwen3-MoE, transformers 5 in-memory layout: experts stacked, gate and up fused as [E, 2I, D].
     "model.layers.{}.mlp.gate.weight": "layers.{}.feed_forward.gate.weight",
     "model.layers.{}.mlp.experts.gate_up_proj": "layers.{}.feed_forward.w13",
     "model.layers.{}.mlp.experts.down_proj": "layers.{}.feed_forward.w2",
+    # Phi-3: q/k/v already fused in our order; gate and up fused as [2I, D].
+    "model.layers.{}.self_attn.qkv_proj.weight": "layers.{}.attention.wqkv.weight",
+    "model.layers.{}.mlp.gate_up_proj.weight": "layers.{}.feed_forward.w13.weight",
+}
+# Where a family's norms sit otherwise: Gemma's post_attention_layernorm follows the attention
+# (its pre-feed-forward norm has its own name); OLMo 2 has post-norms only.
+_SANDWICH = {
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.post_attention_norm.weight",
+    "model.layers.{}.pre_feedforward_layernorm.weight": "layers.{}.ffn_norm.weight",
+    "model.layers.{}.post_feedforward_layernorm.weight": "layers.{}.post_ffn_norm.weight",
+}
+FAMILY_WEIGHT_MAP = {
+    "gemma2": _SANDWICH,
+    "gemma3_text": _SANDWICH,
+    "olmo2": {k: v for k, v in _SANDWICH.items() if "pre_feedforward" not in k},
 }
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+# transformers' defaults for the keys a hub config.json of the family may leave out.
+HF_DEFAULTS = {
+    "gemma2": dict(tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+                   sliding_window=4096, final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
+    "gemma3_text": dict(tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+                        sliding_window=4096, sliding_window_pattern=6, rope_local_base_freq=10_000.0),
+    "smollm3": dict(tie_word_embeddings=True, no_rope_layer_interval=4),
+    "qwen2": dict(max_window_layers=28),
+    "qwen3": dict(max_window_layers=28),
+    "qwen3_moe": dict(max_window_layers=28, norm_topk_prob=False, decoder_sparse_step=1),
+}
+DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0}
+# HF activation name -> ModelArgs.hidden_act
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+GEMMA = ("gemma2", "gemma3_text")
 
 
 def config_from_hf(hf: dict) -> ModelArgs:
@@ -58,36 +97,125 @@ def config_from_hf(hf: dict) -> ModelArgs:
     if model_type not in SUPPORTED:
         raise ValueError(f"unsupported architecture {model_type!r} ({hf.get('architectures')}); "
                          f"supported model_type values: {', '.join(SUPPORTED)}")
-    # transformers 5 writes rope_parameters; hub checkpoints carry rope_theta / rope_scaling.
-    rope = dict(hf.get("rope_parameters") or {})
-    rope_base = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
-    rope_scaling = hf.get("rope_scaling") or rope or None
-    if rope_scaling is not None:
-        rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
-        if rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
-            rope_scaling = None
-    sliding_window = hf.get("sliding_window")
-    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
-        sliding_window = None
-    n_head = hf["num_attention_heads"]
+    hf = {**HF_DEFAULTS.get(model_type, {}), **hf}
+    n_layer, n_head = hf["num_hidden_layers"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
+    rope_base, rope_scaling, rope_local_base, partial = rope_from_hf(hf, model_type)
+    act_key = "hidden_activation" if model_type in GEMMA else "hidden_act"
+    act = hf.get(act_key, "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unsupported {act_key} {act!r}; supported: {', '.join(ACTIVATIONS)}")
+    for key in ("mlp_bias", "use_bidirectional_attention") + (("attention_bias",) if model_type != "qwen2" else ()):
+        if hf.get(key):  # (attention_bias: these families put a bias on o_proj too)
+            raise ValueError(f"unsupported {key}=true in the {model_type} config.json")
+    if model_type == "qwen3_moe" and hf.get("shared_expert_intermediate_size"):
+        raise ValueError("unsupported shared_expert_intermediate_size: brisk's Qwen3-MoE has no shared expert")
+    window, window_layers = sliding_window_from_hf(hf, model_type)
+    # Qwen3-MoE's hub configs say num_experts, transformers 5 writes num_local_experts as Mixtral's do.
+    experts = hf.get("num_experts") or hf.get("num_local_experts", 0) if model_type in ("mixtral", "qwen3_moe") else 0
+    dense = None
+    if model_type == "qwen3_moe":
+        dense = [i for i in range(n_layer) if i in (hf.get("mlp_only_layers") or [])
+                 or (i + 1) % hf["decoder_sparse_step"]] or None
+    no_rope = None
+    if model_type == "smollm3":  # HF lists 1 for the layers that use RoPE
+        uses_rope = hf.get("no_rope_layers") or [int((i + 1) % hf["no_rope_layer_interval"] != 0)
+                                                 for i in range(n_layer)]
+        no_rope = [i for i, rope in enumerate(uses_rope) if not rope] or None
+    gemma = model_type in GEMMA
     return ModelArgs(
         block_size=hf["max_position_embeddings"],
         vocab_size=hf["vocab_size"],
-        n_layer=hf["num_hidden_layers"],
+        n_layer=n_layer,
         n_head=n_head,
         dim=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"],
         n_local_heads=hf.get("num_key_value_heads") or n_head,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
-        rope_base=float(rope_base),
+        head_dim=head_dim,
+        rope_base=rope_base,
         rope_scaling=rope_scaling,
         norm_eps=hf["rms_norm_eps"],
-        attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+        attention_bias=model_type == "qwen2",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        sliding_window=sliding_window,
-        num_experts=hf.get("num_local_experts", 0) if model_type == "mixtral" else 0,
+        sliding_window=window,
+        num_experts=experts,
         num_activated_experts=hf.get("num_experts_per_tok", 2),
+        moe_intermediate_size=hf.get("moe_intermediate_size") if model_type == "qwen3_moe" else None,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        dense_layers=dense,
+        qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "olmo2": "all"}.get(model_type),
+        norm_offset=1.0 if gemma else 0.0,
+        block_norms="sandwich" if gemma else "post" if model_type == "olmo2" else "pre",
+        hidden_act=ACTIVATIONS[act],
+        embedding_scale=hf["hidden_size"] ** 0.5 if gemma else None,
+        attention_scale=hf["query_pre_attn_scalar"] ** -0.5 if gemma else None,
+        attn_logit_softcap=hf.get("attn_logit_softcapping") if gemma else None,
+        final_logit_softcap=hf.get("final_logit_softcapping") if gemma else None,
+        sliding_window_layers=window_layers,
+        rope_local_base=rope_local_base,
+        rope_dim=int(head_dim * partial),
+        no_rope_layers=no_rope,
     )
+
+
+def rope_from_hf(hf: dict, model_type: str) -> tuple:
+    """(rope_base, rope_scaling, rope_local_base, partial_rotary_factor) from either config form:
+    hub checkpoints carry rope_theta / rope_scaling, transformers 5 writes rope_parameters (per
+    layer type for Gemma 3: {"full_attention": ..., "sliding_attention": ...})."""
+    params = dict(hf.get("rope_parameters") or {})
+    local = None
+    if "full_attention" in params:
+        params, local = dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+    rope_base = float(hf.get("rope_theta", params.pop("rope_theta", DEFAULT_ROPE_BASE.get(model_type, 10000.0))))
+    partial = float(hf.get("partial_rotary_factor", params.pop("partial_rotary_factor", 1.0)))
+    scaling = dict(hf.get("rope_scaling") or params)
+    scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    kind = rope_type(scaling)
+    if kind in ("su", "yarn") and model_type == "phi3":  # transformers reads Phi-3's old names as longrope
+        kind = "longrope"
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_scaling rope_type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
+    if kind == "longrope":
+        orig = scaling.get("original_max_position_embeddings") or hf["original_max_position_embeddings"]
+        scaling = {"rope_type": "longrope", "short_factor": scaling["short_factor"],
+                   "long_factor": scaling["long_factor"], "original_max_position_embeddings": orig,
+                   # Phi-3 derives the attention factor from the context's growth (transformers does the same).
+                   "factor": scaling.get("factor") or hf["max_position_embeddings"] / orig,
+                   "attention_factor": scaling.get("attention_factor")}
+    rope_local_base = None
+    if model_type == "gemma3_text":
+        if local is not None and rope_type(local) != "default":
+            raise ValueError(f"unsupported rope_parameters.sliding_attention rope_type {rope_type(local)!r}; "
+                             "supported: default")
+        rope_local_base = float((local or {}).get("rope_theta", hf["rope_local_base_freq"]))
+    return rope_base, scaling if kind != "default" else None, rope_local_base, partial
+
+
+def sliding_window_from_hf(hf: dict, model_type: str) -> tuple:
+    """(sliding_window, sliding_window_layers): the window and the layers it applies to (None: all).
+
+    transformers lists the layer types in config.json; where a hub config predates that, the
+    family's rule as transformers applies it."""
+    window, n = hf.get("sliding_window"), hf["num_hidden_layers"]
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "smollm3") and not hf.get("use_sliding_window", False):
+        window = None
+    if window is None or model_type in ("mistral", "mixtral", "phi3"):
+        return window, None
+    types = hf.get("layer_types")
+    if types is None:
+        if model_type == "gemma2":
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+        elif model_type == "gemma3_text":
+            types = ["sliding_attention" if (i + 1) % hf["sliding_window_pattern"] else "full_attention"
+                     for i in range(n)]
+        elif model_type == "smollm3":
+            raise ValueError("smollm3 with use_sliding_window=true needs layer_types in config.json")
+        else:  # Qwen2 / Qwen3: the layers from max_window_layers on
+            types = ["sliding_attention" if i >= hf["max_window_layers"] else "full_attention" for i in range(n)]
+    layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if not layers:
+        return None, None
+    return window, None if len(layers) == n else layers
 
 
 def weight_files(source: Path) -> list:
@@ -109,19 +237,20 @@ def load_shard(path: Path) -> dict:
     return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
 
 
-def rename(hf_name: str) -> str:
+def rename(hf_name: str, weight_map: dict = WEIGHT_MAP) -> str:
     numbers = re.findall(r"\.(\d+)\.", hf_name)
     pattern = re.sub(r"\.\d+\.", ".{}.", hf_name)
-    if pattern not in WEIGHT_MAP:
+    if pattern not in weight_map:
         raise ValueError(f"unmapped HF tensor {hf_name!r}: this architecture variant is not supported")
-    return WEIGHT_MAP[pattern].format(*numbers)
+    return weight_map[pattern].format(*numbers)
 
 
-def convert_state_dict(hf_state: dict, config: ModelArgs) -> dict:
+def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "llama") -> dict:
+    weight_map = {**WEIGHT_MAP, **FAMILY_WEIGHT_MAP.get(model_type, {})}
     state = {}
     for name, tensor in hf_state.items():
         if not IGNORED.fullmatch(name):
-            state[rename(name)] = tensor
+            state[rename(name, weight_map)] = tensor
     if config.tie_embeddings:
         state.pop("output.weight", None)  # the loader ties it to tok_embeddings
     for i in range(config.n_layer):
@@ -133,16 +262,25 @@ def convert_state_dict(hf_state: dict, config: ModelArgs) -> dict:
             elif any(t is not None for t in parts):
                 raise ValueError(f"layer {i}: q/k/v {kind}s are incomplete in the HF checkpoint")
         f = f"layers.{i}.feed_forward."
-        if config.num_experts and f + "w13" in state:
+        if f + "w13.weight" in state:  # Phi-3's gate_up_proj
+            state[f + "w1.weight"], state[f + "w3.weight"] = split_gate_up(state.pop(f + "w13.weight"))
+        moe = config.num_experts and i not in (config.dense_layers or ())
+        if moe and f + "w13" in state:
             w1, w3 = state.pop(f + "w13").chunk(2, dim=1)
             state[f + "w1"], state[f + "w3"] = w1.contiguous(), w3.contiguous()
-        elif config.num_experts:
+        elif moe:
             for w in ("w1", "w2", "w3"):
                 experts = [state.pop(f + f"{w}.{e}", None) for e in range(config.num_experts)]
                 if any(t is None for t in experts):
                     raise ValueError(f"layer {i}: {w} is missing experts in the HF checkpoint")
                 state[f + w] = torch.stack(experts)
     return state
+
+
+def split_gate_up(w13: torch.Tensor) -> tuple:
+    """Phi-3's fused [gate; up] rows as w1, w3, each in its own storage: torch.save would keep two
+    views of one, and inductor's frozen CPU GEMM template then reads the second at the wrong offset."""
+    return tuple(w.clone() for w in w13.chunk(2))
 
 
 def check_against_model(state: dict, config: ModelArgs):
@@ -184,7 +322,7 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output_dir: Path = None) -> Path
     for k, path in enumerate(files, 1):
         print(f"[{k}/{len(files)}] reading {path.name}", file=sys.stderr, flush=True)
         hf_state.update(load_shard(path))
-    state = convert_state_dict(hf_state, config)
+    state = convert_state_dict(hf_state, config, hf_config["model_type"])
     check_against_model(state, config)
 
     output_dir.mkdir(parents=True, exist_ok=True)

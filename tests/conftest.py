@@ -26,6 +26,29 @@ FAMILIES = {
     "head_dim": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=2, head_dim=24)),
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4,
                                                              num_experts_per_tok=2)),
+    # Issue 21's families. Windows (8) are shorter than the tests' prompts; head_dim != dim / n_head.
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        num_hidden_layers=3, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        norm_topk_prob=False, mlp_only_layers=[1])),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=24, sliding_window=8, query_pre_attn_scalar=20,
+        attn_logit_softcapping=5.0, final_logit_softcapping=8.0)),  # tied, greedy repeats one token
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        num_hidden_layers=3, num_key_value_heads=1, head_dim=32, sliding_window=8, query_pre_attn_scalar=32,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0, rope_theta=100000.0),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1000.0)})),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(num_key_value_heads=2, sliding_window=8, pad_token_id=0)),
+    # Phi-4-mini's shape of config: longrope (short factors within the original 64 positions) and partial rotary.
+    "phi4_longrope": ("Phi3ForCausalLM", "Phi3Config", dict(
+        num_key_value_heads=1, tie_word_embeddings=True, original_max_position_embeddings=64, pad_token_id=0,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                             short_factor=[1.0 + 0.1 * i for i in range(6)],
+                             long_factor=[2.0 + 0.5 * i for i in range(6)]))),
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", dict(num_hidden_layers=3, num_key_value_heads=2, pad_token_id=0,
+                                                             no_rope_layer_interval=2)),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(num_key_value_heads=2)),
 }
 
 

@@ -107,9 +107,10 @@ def test_staggered_arrivals(tiny):
         assert got[request_id] == alone(model, p, n)
 
 
-@pytest.mark.parametrize("family", ["mistral", "mixtral"])
+@pytest.mark.parametrize("family", ["mistral", "mixtral", "gemma2", "gemma3", "qwen3_moe", "phi3", "olmo2"])
 def test_sliding_window_and_moe(tiny, family):
-    """Mistral's 16-token window (prompts far longer) and Mixtral's experts through the engine."""
+    """Windows far shorter than the prompts (on alternating layers for Gemma, with soft-capping for
+    Gemma 2), experts, q/k norms, fused projections through the engine."""
     model = tiny(family)
     ps = prompts((3, 40, 7, 90))
     results = Engine(model, IdTokenizer(), max_batch_size=3, max_seq_length=200, prefill_chunk=32).generate(

@@ -10,7 +10,9 @@ import torch
 from conftest import make_hf_model, save_and_convert
 from decode import generate
 from load import load_model
-from model import ModelArgs, Transformer, rope_frequencies
+from model import ModelArgs, Transformer
+from rope import rope_frequencies
+from rope import rope_attention_factor
 from scripts.convert_gguf import convert_gguf
 from tokenizer import load_tokenizer
 
@@ -32,6 +34,10 @@ GGUF_NAMES = {
     "layers.{}.feed_forward.w1": "blk.{}.ffn_gate_exps.weight",
     "layers.{}.feed_forward.w3": "blk.{}.ffn_up_exps.weight",
     "layers.{}.feed_forward.w2": "blk.{}.ffn_down_exps.weight",
+    "layers.{}.attention.q_norm.weight": "blk.{}.attn_q_norm.weight",
+    "layers.{}.attention.k_norm.weight": "blk.{}.attn_k_norm.weight",
+    "layers.{}.post_attention_norm.weight": "blk.{}.post_attention_norm.weight",
+    "layers.{}.post_ffn_norm.weight": "blk.{}.post_ffw_norm.weight",
 }
 
 
@@ -58,9 +64,10 @@ def llama3_rope_freqs(c: ModelArgs) -> torch.Tensor:
 
 
 def write_gguf(path, state: dict, c: ModelArgs, qtype=T.F32, arch="llama", vocab=None, raw=None):
-    """A GGUF file of a brisk state dict, as llama.cpp writes one: permuted q/k, 1-D tensors in F32,
-    the others in qtype. vocab: the tokenizer.* metadata (default: a toy byte-level vocabulary);
-    raw: GGUF name -> (bytes array, type) written instead of that tensor."""
+    """A GGUF file of a brisk state dict, as llama.cpp's convert_hf_to_gguf.py writes one for `arch`:
+    permuted q/k (llama only), Gemma's norms as 1 + weight, Phi-3's fused qkv and gate/up, 1-D
+    tensors in F32, the others in qtype. vocab: the tokenizer.* metadata (default: a toy byte-level
+    vocabulary); raw: GGUF name -> (bytes array, type) written instead of that tensor."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(c.block_size)
     w.add_embedding_length(c.dim)
@@ -70,26 +77,56 @@ def write_gguf(path, state: dict, c: ModelArgs, qtype=T.F32, arch="llama", vocab
     w.add_head_count_kv(c.n_local_heads)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_dimension_count(c.rope_dim)
     w.add_rope_freq_base(c.rope_base)
     w.add_layer_norm_rms_eps(c.norm_eps)
     if c.num_experts:
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.num_activated_experts)
-    add_vocab(w, vocab or toy_vocab(c.vocab_size))
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_weights_norm(c.norm_topk_prob)
+    if c.sliding_window:
+        w.add_sliding_window(c.sliding_window)
+    if arch in ("gemma2", "gemma3") and c.sliding_window and c.sliding_window_layers != [i for i in range(c.n_layer) if (i + 1) % 6]:
+        w.add_sliding_window_pattern([i in c.sliding_window_layers for i in range(c.n_layer)])
+    if c.attn_logit_softcap:
+        w.add_attn_logit_softcapping(c.attn_logit_softcap)
+    if c.final_logit_softcap:
+        w.add_final_logit_softcapping(c.final_logit_softcap)
+    if c.rope_local_base is not None:
+        w.add_rope_freq_base_swa(c.rope_local_base)
     tensors = {}
+    kind = (c.rope_scaling or {}).get("rope_type")
+    if kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(c.rope_scaling["factor"])
+    elif kind == "longrope":
+        s = c.rope_scaling
+        w.add_rope_scaling_attn_factors(rope_attention_factor(s))
+        w.add_rope_scaling_orig_ctx_len(s["original_max_position_embeddings"])
+        tensors["rope_factors_long.weight"] = torch.tensor(s["long_factor"])
+        tensors["rope_factors_short.weight"] = torch.tensor(s["short_factor"])
+    elif kind == "llama3":
+        tensors["rope_freqs.weight"] = llama3_rope_freqs(c)
+    add_vocab(w, vocab or toy_vocab(c.vocab_size))
     for name, t in state.items():
         i = name.split(".")[1] if name.startswith("layers.") else None
-        if name.endswith("wqkv.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            t = t + 1
+        if name.endswith("wqkv.weight") and arch == "phi3":
+            tensors[f"blk.{i}.attn_qkv.weight"] = t
+        elif name.endswith("wqkv.weight") or name.endswith("wqkv.bias"):
             q, k, v = t.split([c.n_head * c.head_dim, c.n_local_heads * c.head_dim, c.n_local_heads * c.head_dim])
-            tensors[f"blk.{i}.attn_q.weight"] = llama_cpp_permute(q, c.n_head)
-            tensors[f"blk.{i}.attn_k.weight"] = llama_cpp_permute(k, c.n_local_heads)
-            tensors[f"blk.{i}.attn_v.weight"] = v
-        else:
+            if arch == "llama":
+                q, k = llama_cpp_permute(q, c.n_head), llama_cpp_permute(k, c.n_local_heads)
+            for x, part in zip("qkv", (q, k, v)):
+                tensors[f"blk.{i}.attn_{x}.{name.rpartition('.')[2]}"] = part
+        elif arch == "phi3" and name.endswith("w1.weight"):
+            tensors[f"blk.{i}.ffn_up.weight"] = torch.cat([t, state[name.replace("w1.", "w3.")]])
+        elif not (arch == "phi3" and name.endswith("w3.weight")):
             pattern = name.replace(f".{i}.", ".{}.") if i is not None else name
             tensors[GGUF_NAMES[pattern].format(i)] = t
-    if c.rope_scaling:
-        tensors["rope_freqs.weight"] = llama3_rope_freqs(c)
     for name, t in sorted(tensors.items()):
         data = t.detach().float().numpy()
         if name in (raw or {}):
@@ -174,6 +211,38 @@ def test_f32_round_trip_is_exact(case, tmp_path):
         torch.testing.assert_close(our_logits(load_model(path), ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
 
 
+# llama.cpp's architectures of issue 21's families: case -> (GGUF architecture, conftest family, overrides).
+FAMILY_ROUND_TRIPS = {
+    "qwen2": ("qwen2", "qwen2", {}),
+    "qwen3": ("qwen3", "qwen3", {}),
+    "qwen3moe": ("qwen3moe", "qwen3_moe", {}),
+    # llama.cpp derives Gemma's attention scale from the shape (head_dim but for the 27B models).
+    "gemma2": ("gemma2", "gemma2", dict(query_pre_attn_scalar=24)),
+    "gemma3": ("gemma3", "gemma3", {}),
+    "phi3_window": ("phi3", "phi3", {}),
+    "phi4_longrope": ("phi3", "phi4_longrope", {}),
+    "olmo2": ("olmo2", "olmo2", {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAMILY_ROUND_TRIPS))
+def test_family_gguf_matches_transformers(case, tmp_path):
+    """A GGUF written as llama.cpp writes the architecture loads to transformers' logits, with the
+    config of the HF route (longrope's factors come back through float32)."""
+    arch, family, overrides = FAMILY_ROUND_TRIPS[case]
+    hf = make_hf_model(family, seed=5, **overrides)
+    original = save_and_convert(hf, tmp_path / "hf_route")
+    config = ModelArgs.from_json(original.parent / "config.json")
+    gguf_file = write_gguf(tmp_path / "model.gguf", torch.load(original, weights_only=True), config, arch=arch)
+    path = convert_gguf(gguf_file, tmp_path / "gguf_route")
+    got = ModelArgs.from_json(path.parent / "config.json")
+    assert {**vars(got), "rope_scaling": None} == {**vars(config), "rope_scaling": None}
+    assert (got.rope_scaling or {}).get("rope_type") == (config.rope_scaling or {}).get("rope_type")
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(our_logits(load_model(path), ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
 # Bits per weight of each block type: the dequantized value lies within one quantization step,
 # (block max |w|) * 2 / (2^bits - 1), of the original (rounding gives half a step; fp16 scales and
 # Q4_0's asymmetric range [-8, 7] add less than the other half).
@@ -254,9 +323,9 @@ VARIED_TEXT = ("Héllo wörld! Ünïcödé: 你好，世界 — ça va? 🦀🚀
                "x = {'a': [1, 22, 333]}; y = \"DON'T\" isn't we'll they've\u00a0nbsp\u200bzwsp")
 
 
-def sentencepiece_vocab(tmp_path, vocab_size=400):
-    """Train a small SentencePiece BPE model (LLaMA's settings) and describe it as llama.cpp's
-    converter writes a `llama` vocabulary into a GGUF."""
+def sentencepiece_vocab(tmp_path, vocab_size=400, space_prefix=True):
+    """Train a small SentencePiece BPE model (LLaMA's settings; Gemma's without the space prefix)
+    and describe it as llama.cpp's converter writes a `llama` vocabulary into a GGUF."""
     import sentencepiece as spm
     corpus = tmp_path / "corpus.txt"
     corpus.write_text((VARIED_TEXT.replace("\u00a0", " ") + "\nThe quick brown fox jumps over the lazy dog. "
@@ -264,14 +333,14 @@ def sentencepiece_vocab(tmp_path, vocab_size=400):
     spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), model_type="bpe",
                                    vocab_size=vocab_size, byte_fallback=True, normalization_rule_name="identity",
                                    remove_extra_whitespaces=False, split_digits=True, character_coverage=1.0,
-                                   minloglevel=2)
+                                   add_dummy_prefix=space_prefix, minloglevel=2)
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
     types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i) else
              6 if sp.is_byte(i) else 1 for i in range(sp.get_piece_size())]
     vocab = dict(model="llama", pre="default", tokens=[sp.id_to_piece(i) for i in range(sp.get_piece_size())],
                  scores=[sp.get_score(i) for i in range(sp.get_piece_size())], types=types,
                  bos=sp.bos_id(), eos=sp.eos_id(), unk=sp.unk_id(),
-                 flags=dict(add_bos_token=True, add_space_prefix=True))
+                 flags=dict(add_bos_token=True, add_space_prefix=space_prefix))
     return sp, vocab
 
 
@@ -293,6 +362,50 @@ def test_sentencepiece_vocab_round_trip(tmp_path):
     assert ours.bos_id == sp.bos_id() and ours.eos_ids == [sp.eos_id()] and ours.add_bos
 
 
+def test_gemma_sentencepiece_vocab_without_space_prefix(tmp_path):
+    """Gemma's GGUFs carry a SentencePiece vocabulary with add_space_prefix false."""
+    sp, vocab = sentencepiece_vocab(tmp_path, space_prefix=False)
+    config = ModelArgs(block_size=64, vocab_size=sp.get_piece_size(), n_layer=1, n_head=2, dim=32, intermediate_size=64,
+                       norm_offset=1.0, block_norms="sandwich", hidden_act="gelu_tanh", embedding_scale=32 ** 0.5,
+                       attention_scale=16 ** -0.5)
+    gguf_file = write_gguf(tmp_path / "gemma.gguf", random_brisk_state(config), config, arch="gemma2", vocab=vocab)
+    ours = load_tokenizer(convert_gguf(gguf_file, tmp_path / "out").parent)
+    for text in [VARIED_TEXT, "Hello world", " leading space", "The quick brown fox"]:
+        ids = ours.encode(text)
+        assert ids == [sp.bos_id()] + sp.encode(text), text
+        assert ours.decode(ids) == sp.decode(ids) == text
+
+
+def test_qwen3_chat_template_and_turn_end(tmp_path):
+    """A Qwen3 GGUF's chat template, control tokens and end-of-turn id come through to generate.py."""
+    tokens = toy_vocab(254)["tokens"][:-1] + ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    vocab = dict(model="gpt2", pre="qwen2", tokens=tokens, types=[1] * 253 + [3, 3, 3], eos=255,
+                 flags=dict(eot_token_id=254, chat_template=template))
+    config = ModelArgs(block_size=64, vocab_size=256, n_layer=1, n_head=2, dim=32, intermediate_size=64, qk_norm="head")
+    gguf_file = write_gguf(tmp_path / "qwen3.gguf", random_brisk_state(config), config, arch="qwen3", vocab=vocab)
+    ours = load_tokenizer(convert_gguf(gguf_file, tmp_path / "out").parent)
+    messages = [{"role": "user", "content": "Hi!"}]
+    assert ours.apply_chat_template(messages) == "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    ids = ours.encode_chat(messages)
+    assert ids[0] == 253 and ids.count(254) == 1  # control tokens matched whole
+    assert sorted(ours.eos_ids) == [254, 255]
+
+
+def test_phi4_mini_pre_tokenizer(tmp_path):
+    """Phi-4-mini's GGUF names the o200k split "gpt-4o": digits in threes, contractions kept on words."""
+    from tokenizers import Tokenizer
+    config = tiny_config()
+    vocab = dict(toy_vocab(256), pre="gpt-4o")
+    path = convert_gguf(write_gguf(tmp_path / "phi4.gguf", random_brisk_state(config), config, arch="phi3",
+                                   vocab=vocab), tmp_path / "out")
+    tok = Tokenizer.from_file(str(path.parent / "tokenizer.json"))
+    pieces = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("He isn't 12345 yet")]
+    assert pieces == ["He", "Ġisn't", "Ġ", "123", "45", "Ġyet"]
+    assert load_tokenizer(path.parent).decode(load_tokenizer(path.parent).encode(VARIED_TEXT)) == VARIED_TEXT
+
+
 # --- errors -------------------------------------------------------------------------------------
 
 def tiny_config():
@@ -301,8 +414,9 @@ def tiny_config():
 
 def test_unsupported_architecture(tmp_path):
     c = tiny_config()
-    path = write_gguf(tmp_path / "m.gguf", random_brisk_state(c), c, arch="qwen2")
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'qwen2'; supported: llama"):
+    path = write_gguf(tmp_path / "m.gguf", random_brisk_state(c), c, arch="falcon")
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'falcon'; supported: llama, qwen2, qwen3, "
+                                         "qwen3moe, gemma2, gemma3, phi3, olmo2"):
         convert_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -65,11 +65,16 @@ def checkpoints(tmp_path_factory):
         "llama_odd_vocab": save_and_convert(make_hf_model("llama31", vocab_size=255, intermediate_size=128),
                                             root / "llama"),
         "moe": save_random_moe(root / "moe"),
+        # Q/k norm over the whole projection, whose heads the ranks split (tp.ShardedRMSNorm); post-norms.
+        "olmo2": save_and_convert(make_hf_model("olmo2"), root / "olmo2"),
+        # Experts with their own size, unnormalised top-k, a dense layer between sparse ones.
+        "qwen3_moe": save_and_convert(make_hf_model("qwen3_moe"), root / "qwen3_moe"),
     }
     paths["qwen2_int8"] = quantize.quantize_checkpoint(paths["qwen2"], "int8")
     paths["llama_odd_vocab_int4"] = quantize.quantize_checkpoint(paths["llama_odd_vocab"], "int4", 32)
     paths["moe_int8"] = quantize.quantize_checkpoint(paths["moe"], "int8")
     paths["moe_int4"] = quantize.quantize_checkpoint(paths["moe"], "int4", 32)
+    paths["qwen3_moe_int8"] = quantize.quantize_checkpoint(paths["qwen3_moe"], "int8")
     return paths
 
 
@@ -82,8 +87,9 @@ def tp_results(checkpoints, tmp_path_factory):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama_odd_vocab", "moe", "qwen2_int8:dequant",
-                                  "llama_odd_vocab_int4:dequant", "moe_int8:dequant", "moe_int4:dequant"])
+@pytest.mark.parametrize("name", ["qwen2", "llama_odd_vocab", "moe", "olmo2", "qwen3_moe", "qwen2_int8:dequant",
+                                  "llama_odd_vocab_int4:dequant", "moe_int8:dequant", "moe_int4:dequant",
+                                  "qwen3_moe_int8:dequant"])
 def test_tp_matches_single_process(name, checkpoints, tp_results):
     """Sharded == whole to fp32 precision (quantized layers on the fp32 dequantize path)."""
     name, _, variant = name.partition(":")
@@ -186,7 +192,7 @@ def test_divisibility_errors():
         check_divisible(ModelArgs(n_head=8, n_local_heads=2, dim=64, intermediate_size=128), 4)
     with pytest.raises(ValueError, match=r"^intermediate_size = 90 .* across 1 or 2 ranks"):
         check_divisible(ModelArgs(n_head=4, dim=64, intermediate_size=90), 4)
-    with pytest.raises(ValueError, match=r"^intermediate_size \(of each expert\) = 90 "):
+    with pytest.raises(ValueError, match=r"^moe_intermediate_size \(of each expert\) = 90 "):
         check_divisible(ModelArgs(n_head=4, dim=64, intermediate_size=90, num_experts=4), 4)
     check_divisible(ModelArgs.from_name("llama-3-70b"), 8)
 
@@ -218,10 +224,12 @@ def test_maybe_init_dist_errors(device, message, monkeypatch):
 
 @pytest.mark.slow
 def test_compiled_tp_decode(checkpoints, tmp_path):
-    """torch.compile(fullgraph=True) captures the collectives: compiled greedy == single-process eager."""
+    """torch.compile(fullgraph=True) captures the collectives (OLMo 2's sharded q/k norm too):
+    compiled greedy == single-process eager."""
     out = tmp_path / "results.pt"
-    run = torchrun("tests/tp_worker.py", checkpoints["qwen2"], "--compile", "--out", out)
+    run = torchrun("tests/tp_worker.py", checkpoints["qwen2"], checkpoints["olmo2"], "--compile", "--out", out)
     assert run.returncode == 0, run.stderr[-3000:]
-    got = torch.load(out)[str(checkpoints["qwen2"])]
-    expected = generate(load_model(checkpoints["qwen2"]), PROMPT, 20, temperature=0.0)
-    assert got["compiled_greedy"].tolist() == expected.tolist()
+    for name in ("qwen2", "olmo2"):
+        got = torch.load(out)[str(checkpoints[name])]
+        expected = generate(load_model(checkpoints[name]), PROMPT, 20, temperature=0.0)
+        assert got["compiled_greedy"].tolist() == expected.tolist(), name

@@ -1,0 +1,169 @@
+"""Issue 21's families (Qwen3, Qwen3-MoE, Gemma 2 / 3, Phi-3 / 4, SmolLM3, OLMo 2) against transformers.
+
+The FAMILIES of conftest.py already run test_model.py's logits (a 40-token prompt, longer than
+every window) and 40-token greedy tests; here: more configurations of each, the converter's
+refusals, int8, and the compiled decode step (slow).
+"""
+import json
+
+import pytest
+import torch
+
+import quantize
+from conftest import make_hf_model, save_and_convert
+from decode import generate
+from load import load_model
+from scripts.convert_hf_checkpoint import config_from_hf
+
+NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3", "olmo2"]
+
+# Further configurations of each family: family, overrides of its FAMILIES entry.
+VARIANTS = {
+    # MHA, untied, a head_dim that is no power of two; sliding window on the layers from 1 on.
+    "qwen3_mha_window": ("qwen3", dict(num_key_value_heads=4, head_dim=12, tie_word_embeddings=False,
+                                       use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    # Every second layer sparse, renormalised top-k, tied.
+    "qwen3_moe_sparse_step": ("qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[],
+                                                norm_topk_prob=True, tie_word_embeddings=True)),
+    "gemma2_tied_gqa4": ("gemma2", dict(num_key_value_heads=1, tie_word_embeddings=True, head_dim=16)),
+    # The hub's form: no layer_types, the local:global pattern from sliding_window_pattern, tied.
+    "gemma3_pattern": ("gemma3", dict(num_hidden_layers=4, layer_types=None, sliding_window_pattern=2,
+                                      num_key_value_heads=2, tie_word_embeddings=True)),
+    "phi3_partial_rotary": ("phi3", dict(partial_rotary_factor=0.5, sliding_window=None, tie_word_embeddings=True)),
+    "smollm3_window": ("smollm3", dict(use_sliding_window=True, sliding_window=8, tie_word_embeddings=False)),
+    "olmo2_tied_gqa4": ("olmo2", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+}
+
+
+def our_logits(model, ids):
+    model.setup_caches(max_batch_size=ids.shape[0], max_seq_length=ids.shape[1])
+    with torch.no_grad():
+        return model(ids, torch.arange(ids.shape[1]))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variant_logits_match_transformers(variant, tmp_path):
+    family, overrides = VARIANTS[variant]
+    hf = make_hf_model(family, seed=3, **overrides)
+    model = load_model(save_and_convert(hf, tmp_path))
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        got = our_logits(model, ids)  # through the mask over the cache
+        from_start = model(ids, torch.arange(40), from_start=True)  # as prefill runs it
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(from_start, expected, atol=1e-4, rtol=1e-4)
+
+
+# What the converter writes for each family's pieces: data, never guessed from a name.
+EXPECTED_CONFIG = {
+    "qwen3": dict(qk_norm="head", head_dim=24, tie_embeddings=True),
+    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=48, norm_topk_prob=False, dense_layers=[1]),
+    "gemma2": dict(block_norms="sandwich", norm_offset=1.0, hidden_act="gelu_tanh", sliding_window_layers=[0, 2],
+                   attn_logit_softcap=5.0, final_logit_softcap=8.0, attention_scale=20 ** -0.5,
+                   embedding_scale=64 ** 0.5),
+    "gemma3": dict(qk_norm="head", rope_local_base=1000.0, rope_base=100000.0, sliding_window_layers=[0, 2],
+                   rope_scaling={"rope_type": "linear", "factor": 4.0}, attn_logit_softcap=None),
+    "phi3": dict(sliding_window=8, sliding_window_layers=None, rope_dim=16),
+    "phi4_longrope": dict(rope_dim=12),
+    "smollm3": dict(no_rope_layers=[1]),
+    "olmo2": dict(qk_norm="all", block_norms="post"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED_CONFIG))
+def test_converted_config(family, converted):
+    config = json.loads((converted(family)[1].parent / "config.json").read_text())
+    assert {k: config[k] for k in EXPECTED_CONFIG[family]} == EXPECTED_CONFIG[family]
+
+
+def test_longrope_long_factors_past_the_original_context(converted):
+    """A cache longer than original_max_position_embeddings (64) uses the long factors for every
+    position, as transformers does for a sequence of that length."""
+    hf, path = converted("phi4_longrope")
+    model = load_model(path)
+    assert model.config.rope_scaling["factor"] == 4.0  # max_position_embeddings / original: its attention factor
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = hf(ids).logits
+    torch.testing.assert_close(our_logits(model, ids), expected, atol=1e-4, rtol=1e-4)
+    # ... and within the original context a cache sized past it differs (long factors): the documented choice.
+    model.setup_caches(1, 80)
+    with torch.no_grad():
+        short_hf = hf(ids[:, :40]).logits
+        assert not torch.allclose(model(ids[:, :40], torch.arange(40)), short_hf, atol=1e-3)
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_int8_within_bound(family, converted):
+    """int8 weights move the logits by ~3% on these 2-3 layer models (tests/test_quantize.py's bound: 5%)."""
+    _, path = converted(family)
+    base = load_model(path)
+    int8 = load_model(quantize.quantize_checkpoint(path, "int8", output_path=path.with_name(f"{family}_int8.pth")))
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+    expected, got = our_logits(base, ids), our_logits(int8, ids)
+    assert float((got - expected).norm() / expected.norm()) < 0.05
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe", "smollm3"])
+def test_speculative_greedy_equals_greedy(family, converted):
+    """Verifying k drafted tokens at once (soft-capped attention over windowed and global layers,
+    routed experts, layers without RoPE) keeps greedy decoding exact; the int8 twin drafts."""
+    from speculative import speculative_generate
+    _, path = converted(family)
+    target = load_model(path)
+    draft = load_model(quantize.quantize_checkpoint(path, "int8", output_path=path.with_name("draft_int8.pth")))
+    prompt = torch.tensor([9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12])
+    accepted = []
+    spec = speculative_generate(target, prompt, 24, draft_model=draft, k=4, accepted=accepted)
+    assert spec.tolist() == generate(target, prompt, 24, temperature=0.0).tolist()
+    assert sum(accepted) > 0
+
+
+def test_gptq_runs_block_by_block_with_each_layers_window(converted):
+    """GPTQ feeds each block the mask and RoPE Transformer.forward gives it (Gemma 2: sliding and
+    global layers) and the scaled embeddings: on its calibration inputs every layer beats RTN."""
+    import GPTQ
+    _, path = converted("gemma2")
+    model = load_model(path)
+    tokens = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(6))  # longer than the window
+    _, layers, errors = GPTQ.gptq_model(model, tokens, 32)
+    assert {"layers.0.attention.wqkv", "layers.1.feed_forward.w2", "output"} <= set(layers)
+    assert all(gptq <= rtn * 1.001 for rtn, gptq in errors.values()), errors
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "unsupported rope_scaling rope_type 'yarn'"),
+    ("hidden_act", "gelu", "unsupported hidden_act 'gelu'"),
+    ("attention_bias", True, "unsupported attention_bias=true"),
+])
+def test_unsupported_field_is_refused(field, value, message):
+    hf = make_hf_model("qwen3").config.to_dict()
+    hf.pop("rope_parameters")
+    hf[field] = value
+    with pytest.raises(ValueError, match=message):
+        config_from_hf(hf)
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2' .*supported model_type values: .*qwen3, "
+                                         r"qwen3_moe, gemma2, gemma3_text, phi3, smollm3, olmo2"):
+        config_from_hf({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_compiled_decode_equals_eager(family, converted):
+    """fullgraph (no graph breaks), no recompile per token, the same greedy tokens; gemma2 runs the
+    soft-capped decode attention, qwen3_moe the expert gather, smollm3 a layer without RoPE."""
+    import torch._dynamo
+    from compiling import compile_step
+    from decode import decode_one_token
+    _, path = converted(family)
+    model = load_model(path)
+    prompt = torch.tensor([9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12])  # longer than the 8-token windows
+    eager = generate(model, prompt, 24, temperature=0.0)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = generate(model, prompt, 24, temperature=0.0, decode_fn=compile_step(decode_one_token, "cpu"))
+    assert compiled.tolist() == eager.tolist()
