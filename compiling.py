@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from load import weights
+from model import MoEFeedForward
 
 
 def compile_step(fn: Callable, device: str) -> Callable:
@@ -101,8 +102,12 @@ def kernel_options(model) -> dict:
                 "cpp_wrapper": all(h.get("cpp_wrapper", True) for h in hints)}
     # fp32 needs max-autotune: oneDNN's fp32 matrix-vector product is single-threaded and
     # inductor's C++ GEMM template ("CPP") uses every core. (Concatenating w1 and w3 would cost a
-    # third copy of them in memory for little speed in fp32.)
-    if not all(h.get("autotune", True) for h in hints):
+    # third copy of them in memory for little speed in fp32.) But the frozen template reads a
+    # weight that is a view at an offset into a larger tensor (an expert of the stacked ones, run
+    # on every token when a batch has more tokens than the experts allow gathering) from the
+    # wrong place: mixture-of-experts steps keep freezing alone.
+    moe = any(isinstance(m, MoEFeedForward) for m in model.modules())
+    if moe or not all(h.get("autotune", True) for h in hints):
         return {}
     backends = set().union(*(h.get("gemm_backends", ()) for h in hints)) or {"CPP", "ATEN"}
     return dict(max_autotune=True, max_autotune_gemm_backends=",".join(sorted(backends)))

@@ -107,9 +107,16 @@ def check_request(request: Request, max_seq_length: int, vocab_size: int):
         raise ValueError(f"top_k must be >= 0 (0: off), got {request.top_k}")
 
 
-def decode_step(model: Transformer, x: Tensor, input_pos: Tensor) -> Tensor:
-    """x [B, 1] at per-row positions input_pos [B, 1] -> logits [B, V]: the step compile_step compiles."""
-    return model(x, input_pos)[:, -1]
+def decode_step(model: Transformer, x: Tensor, input_pos: Tensor, kv_len: int) -> Tensor:
+    """x [B, 1] at per-row positions input_pos [B, 1], attending to the first kv_len cache positions
+    -> logits [B, V]: the step compile_step compiles (one graph per kv_len bucket)."""
+    return model(x, input_pos, kv_len=kv_len)[:, -1]
+
+
+def kv_bucket(positions_in_use: int, max_seq_length: int) -> int:
+    """Attention reads the cache up to a power of two (>= 256) above the positions in use: a decode
+    step's cost follows the longest live sequence, not the cache's size, in a few static shapes."""
+    return min(max_seq_length, max(256, 1 << (positions_in_use - 1).bit_length()))
 
 
 class Engine:
@@ -125,7 +132,6 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.device = model.norm.weight.device
         model.setup_caches(max_batch_size, self.max_seq_length)
-        self.compiled = compile
         self.decode_fn = compile_step(decode_step, self.device.type) if compile else None
         self.slots: list = [None] * max_batch_size  # slot -> _Sequence or None
         self.waiting: deque = deque()
@@ -137,7 +143,7 @@ class Engine:
         self.sync = sync
         self.rng = random.Random(seed)
         self.next_id = 0
-        self.decode_steps = 0
+        self.last_kv_len = None
 
     # -- what callers use ----------------------------------------------------------------------
 
@@ -294,15 +300,11 @@ class Engine:
             pos[i, 0] = s.cached
             if active[i]:
                 tokens[i, 0] = s.next_token
-        kv_len = None
-        if not self.compiled:  # eager: attend only to the positions in use (compiled shapes stay static)
-            kv_len = min(self.max_seq_length, -(-(int(pos.max()) + 1) // 256) * 256)
-        with skip_guards(self.decode_steps > 0):
-            if self.compiled:
-                logits = self.decode_fn(self.model, tokens.to(self.device), pos.to(self.device))
-            else:
-                logits = self.model(tokens.to(self.device), pos.to(self.device), kv_len=kv_len)[:, -1]
-        self.decode_steps += 1
+        kv_len = kv_bucket(int(pos.max()) + 1, self.max_seq_length)
+        # The graph of the last step's bucket passed its guards; a new bucket must be looked up (or compiled).
+        with skip_guards(kv_len == self.last_kv_len):
+            logits = (self.decode_fn or decode_step)(self.model, tokens.to(self.device), pos.to(self.device), kv_len)
+        self.last_kv_len = kv_len
         rows = [i for i in range(B) if active[i]]
         for i in rows:
             self.slots[i].cached += 1

@@ -178,6 +178,12 @@ def test_stop_strings_and_streamed_text(tiny):
     assert [o.finish_reason for o in pieces][-1] == "stop"
 
 
+def test_kv_bucket():
+    from engine import kv_bucket
+    assert [kv_bucket(n, 4096) for n in (1, 256, 257, 1000, 4000)] == [256, 256, 512, 1024, 4096]
+    assert kv_bucket(300, 340) == 340
+
+
 def test_held_back():
     assert held_back("abc<1", ["<12>"]) == 2
     assert held_back("abc", ["<12>"]) == 0
@@ -234,17 +240,24 @@ def test_int8_checkpoint(tmp_path, tiny):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama31", "mixtral"])
-def test_compiled_engine_equals_eager(tiny, family):
-    """One compiled [max_batch_size, 1] step (no recompile as requests come and go) decodes what
-    single-stream eager generation does."""
+@pytest.mark.parametrize("family,mode", [("llama31", None), ("mixtral", None), ("mixtral", "int8")])
+def test_compiled_engine_equals_eager(tiny, family, mode, tmp_path):
+    """The compiled [max_batch_size, 1] step, one graph per attention-length bucket (here 256 and
+    the cache's 340; no recompile as requests come and go), decodes what single-stream eager
+    generation does."""
+    from torch._dynamo.utils import counters
     model = tiny(family)
+    if mode is not None:  # a batch of 3 runs every expert on every token: the stacked experts' path
+        import quantize
+        hf = make_hf_model(family, max_position_embeddings=384)
+        model = load_model(quantize.quantize_checkpoint(save_and_convert(hf, tmp_path), mode))
     ps = prompts()
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        engine = Engine(model, IdTokenizer(), max_batch_size=3, max_seq_length=340, prefill_chunk=64, compile=True)
-        results = engine.generate([Request(p, 10) for p in ps])
+    counters.clear()
+    engine = Engine(model, IdTokenizer(), max_batch_size=3, max_seq_length=340, prefill_chunk=64, compile=True)
+    results = engine.generate([Request(p, 10) for p in ps])
     assert [r.token_ids for r in results] == [alone(model, p, 10) for p in ps]
+    assert counters["stats"]["unique_graphs"] == 2
 
 
 # -- generate.py --prompts_file -----------------------------------------------------------------
