@@ -12,6 +12,7 @@ import errno
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 # ---------------------------------------------------------------------------------------------
@@ -120,6 +121,9 @@ def describe(e: BaseException) -> str:
     return " ".join(text.split())  # one line, whatever the library put in its message
 
 
+RANK0_GRACE_S = 5
+
+
 def is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -127,7 +131,12 @@ def is_rank0() -> bool:
 def fail(message: str):
     """Exit with status 1 and `error: message` on stderr, once (rank 0 under torchrun). The message
     travels in the SystemExit, which the interpreter prints; in-process callers read it there."""
-    sys.exit(f"error: {message}" if is_rank0() else 1)
+    if is_rank0():
+        sys.exit(f"error: {message}")
+    # torchrun stops every rank when one exits: give rank 0, which meets the same bad input, time
+    # to say what it is.
+    time.sleep(RANK0_GRACE_S)
+    sys.exit(1)
 
 
 @contextlib.contextmanager
