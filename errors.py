@@ -155,7 +155,11 @@ def error_boundary():
     except EXPECTED as e:
         fail(describe(e))
     except Exception as e:
-        torch = sys.modules.get("torch")  # out of memory on a GPU is the environment, not a bug
+        # Out of memory is the environment, not a bug: torch says so with its own class on a GPU and
+        # with a RuntimeError from its CPU allocator.
+        torch = sys.modules.get("torch")
         if torch is not None and isinstance(e, torch.OutOfMemoryError):
             fail(f"out of GPU memory ({describe(e)}); use a smaller model, batch or context")
+        if isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e):
+            fail("out of memory (torch could not allocate a tensor); use a smaller model, batch or context")
         raise

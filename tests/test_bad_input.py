@@ -294,6 +294,7 @@ def test_generate_runtime_errors(ckpt, tmp_path, capsys):
         (["--speculate_ngram", "2", "--batch_size", "2"], "--batch_size 1"),
         (["--prompt", "caf\udcff"], "UTF-8"),  # what Python makes of a non-UTF-8 byte in argv
         (["--checkpoint_path", ckpt], "is a folder"),
+        (["--batch_size", str(10 ** 9)], "out of memory"),  # the KV cache of a billion rows
     ]
     for argv, needle in cases:
         code, out, err = call(generate.cli, [*no_template, *argv], capsys, ckpt, tmp_path)
