@@ -321,6 +321,8 @@ def main(checkpoint_path: Path, tasks: Optional[list], perplexity: Optional[Path
     model = load_model(checkpoint_path, device, dtype, tp=dist)
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     check_vocab(tokenizer, model.config.vocab_size, Path(checkpoint_path).parent)
+    if apply_chat_template:
+        tokenizer.compiled_chat_template()  # before the first request, not after the model ran
     device_sync(device)
     log(f"Loaded {checkpoint_path} in {time.perf_counter() - t0:.2f} s")
     scorer = Scorer(model, tokenizer, model.config.block_size if max_seq_length is None else max_seq_length,

@@ -120,8 +120,6 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
     model = load_model(checkpoint_path, device, dtype, tp=dist)
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     check_vocab(tokenizer, model.config.vocab_size, Path(checkpoint_path).parent)
-    if interactive:
-        tokenizer.compiled_chat_template()  # no template, or a broken one: say so before the first turn
     device_sync(device)
     # Weight bytes rather than a parameter count: quantized layers keep their weights in buffers.
     log(f"Loaded {checkpoint_path} ({model_bytes(model) / 1e6:.1f} MB of weights, "
@@ -130,6 +128,8 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
     sampling = sampling_settings(Path(checkpoint_path).parent, temperature, top_k, top_p)
     if chat is None:  # like llama.cpp's CLI: a checkpoint with a chat template is chatted with
         chat = tokenizer.chat_template is not None and synthetic_prompt_len is None
+    if chat or interactive:
+        tokenizer.compiled_chat_template()  # no template, or a broken one: say so before the first turn
     prefill_fn, decode_fn = prefill, decode_one_token
     if compile:
         decode_fn = compile_step(decode_one_token, device)

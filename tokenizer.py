@@ -86,8 +86,6 @@ class Tokenizer:
                                  '{"name": ..., "template": ...} entries') from None
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise ValueError(f"{self.chat_template_source}: chat_template must be a string")
-        if self.chat_template:
-            self.compiled_chat_template()  # a syntax error shows now, not after the model ran
         bos = _token_content(cfg.get("bos_token"))
         eos = _token_content(cfg.get("eos_token"))
         if bos is not None and self.token_id(bos) is not None:

@@ -302,6 +302,15 @@ def test_generate_runtime_errors(ckpt, tmp_path, capsys):
         assert out == "", argv
 
 
+def test_broken_chat_template_and_no_chat(ckpt, tmp_path, capsys):
+    """The error says --no-chat gets past a broken template: it must."""
+    d = copy_checkpoint(ckpt, tmp_path / "ckpt")
+    (d / "chat_template.jinja").write_text("{% for m in messages %}")
+    code, _, err = call(generate.cli, ["--checkpoint_path", d / "model.pth"], capsys, d)
+    assert_clean_error(code, err, "syntax error", "--no-chat")
+    generate.cli(["--checkpoint_path", str(d / "model.pth"), "--no-chat", "--max_new_tokens", "2"])
+
+
 def test_generate_top_k_zero_is_off(ckpt, tmp_path, capsys):
     """transformers reads top_k 0 as no top-k: from the flag and from generation_config.json."""
     d = copy_checkpoint(ckpt, tmp_path / "ckpt")
