@@ -30,7 +30,7 @@ from load import with_tied_output
 from model import ModelArgs, Transformer
 from quantized import (dequantize_int4, int4_group_params, pack_int4_codes, padded_size, quantize_int4,
                        quantize_int8)
-from tokenizer import load_tokenizer
+from tokenizer import check_vocab, load_tokenizer
 
 DEFAULT_PERCDAMP = 0.01  # dampening added to H's diagonal, as a fraction of its mean
 DEFAULT_BLOCKSIZE = 128  # columns per lazy batch update
@@ -277,10 +277,15 @@ def calibration_tokens(checkpoint_dir: Path, config: ModelArgs, calibration_file
     if limit < 1 or seq_length < 2:
         raise ValueError("--calibration_limit must be at least 1 and --calibration_seq_length at least 2")
     if calibration_file is not None:
-        text, source = Path(calibration_file).read_text(), f"file {Path(calibration_file).name}"
+        try:
+            text, source = Path(calibration_file).read_text(), f"file {Path(calibration_file).name}"
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--calibration_file {calibration_file} is not UTF-8 text ({e})") from None
     else:
         text, source = task_text(calibration_tasks), f"lm_eval tasks {' '.join(calibration_tasks)}"
-    tokens = load_tokenizer(checkpoint_dir).encode(text)
+    tokenizer = load_tokenizer(checkpoint_dir)
+    check_vocab(tokenizer, config.vocab_size, checkpoint_dir)
+    tokens = tokenizer.encode(text)
     return sample_sequences(tokens, limit, seq_length, seed), source
 
 
@@ -294,7 +299,8 @@ def quantize_state_dict(state_dict: dict, config: ModelArgs, checkpoint_dir: Pat
     if not 0 < percdamp < 1 or blocksize < 1:
         raise ValueError(f"--percdamp must lie in (0, 1) and --blocksize be positive; got {percdamp}, {blocksize}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    calibration_seq_length = calibration_seq_length or min(DEFAULT_CALIBRATION_SEQ_LENGTH, config.block_size)
+    if calibration_seq_length is None:
+        calibration_seq_length = min(DEFAULT_CALIBRATION_SEQ_LENGTH, config.block_size)
     tokens, source = calibration_tokens(checkpoint_dir, config, calibration_file, calibration_tasks,
                                         calibration_limit, calibration_seq_length, seed)
     log(f"GPTQ on {device.type}: {calibration_limit} calibration sequences of {calibration_seq_length} tokens "

@@ -4,6 +4,7 @@
 `prefill` and `decode_one_token` are the units compiling.compile_step compiles; compiled
 versions are local callables passed into `generate`, never rebound globals.
 """
+import math
 from typing import Callable, Optional
 
 import torch
@@ -13,10 +14,20 @@ from compiling import skip_guards
 from model import ModelArgs, Transformer
 
 
+def check_sampling(temperature: float, top_k: Optional[int] = None, top_p: Optional[float] = None):
+    """A ValueError for settings that would sample nonsense (nan probabilities pick token 0 forever)."""
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature!r}")
+    if top_k is not None and not (isinstance(top_k, int) and top_k >= 0):
+        raise ValueError(f"top_k must be a whole number >= 0 (0 turns it off), got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must lie in (0, 1] (1 turns it off), got {top_p!r}")
+
+
 def logits_to_probs(logits: Tensor, temperature: float, top_k: Optional[int] = None,
                     top_p: Optional[float] = None) -> Tensor:
     logits = logits.float() / max(temperature, 1e-5)
-    if top_k is not None:
+    if top_k:  # None or 0: off, as in transformers
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
         logits = torch.where(logits < kth, -float("inf"), logits)
     if top_p is not None and top_p < 1.0:
@@ -119,6 +130,7 @@ def generate(model: Transformer, prompt: Tensor, max_new_tokens: int, *, batch_s
     B, T = prompt.shape
     total = T + max_new_tokens
     check_context(model.config, T, max_new_tokens)
+    check_sampling(temperature, top_k, top_p)
     device = prompt.device
     model.setup_caches(max_batch_size=B, max_seq_length=total)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -144,6 +156,10 @@ def generate(model: Transformer, prompt: Tensor, max_new_tokens: int, *, batch_s
 
 
 def check_context(config: ModelArgs, prompt_len: int, max_new_tokens: int):
+    if prompt_len < 1:
+        raise ValueError("the prompt is empty (and the tokenizer adds no BOS token): give at least one token of text")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max_new_tokens must be at least 1, got {max_new_tokens}")
     if prompt_len + max_new_tokens > config.block_size:
         raise ValueError(f"the prompt ({prompt_len} tokens) plus --max_new_tokens ({max_new_tokens}) exceeds the "
                          f"model's context of {config.block_size} tokens; shorten the prompt or lower "

@@ -25,10 +25,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from decode import check_sampling
 from engine import Engine, Request
+from errors import check_output_file, error_boundary, finite_float, int_in, nonnegative_int, positive_int
 from load import (PRECISIONS, atomic_write_text, check_device, default_device, default_precision, device_sync,
                   load_model, log, maybe_init_dist, rank0_output)
-from tokenizer import load_tokenizer
+from tokenizer import check_vocab, load_tokenizer
 
 LM_EVAL_REQUIREMENT = "lm-eval==0.4.13"
 SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "top_p"}  # generation kwargs we honour
@@ -51,6 +53,8 @@ class Scorer:
         if max_length > model.config.block_size:
             raise ValueError(f"--max_seq_length {max_length} exceeds the model's context of "
                              f"{model.config.block_size} tokens")
+        if max_length < 2:
+            raise ValueError(f"--max_seq_length must be at least 2 (a token and one to score), got {max_length}")
         if batch_size < 1:
             raise ValueError(f"--batch_size must be at least 1, got {batch_size}")
         self.model, self.tokenizer = model, tokenizer
@@ -73,7 +77,9 @@ class Scorer:
         by_input = defaultdict(list)  # model input -> indices of the requests that read it
         for i, (tokens, n) in enumerate(requests):
             x = tuple(tokens[-(self.max_length + 1):-1])
-            assert 0 < n <= len(x), f"scoring {n} tokens with {len(x)} tokens of input"
+            if not 0 < n <= len(x):
+                raise ValueError(f"a request scores {n} tokens after {len(tokens) - n} of context, which a window "
+                                 f"of --max_seq_length {self.max_length} cannot hold; raise --max_seq_length")
             by_input[x].append(i)
         inputs = sorted(by_input, key=len, reverse=True)  # longest first: the cache is sized once
         results = [None] * len(requests)
@@ -100,6 +106,7 @@ class Scorer:
         """Continue each context (token list) until a stop string, an EOS token or max_new_tokens;
         returns the decoded continuations, cut before the first stop string. The contexts run
         through the serving engine: any lengths decode together, each exactly as it would alone."""
+        check_sampling(**sampling)
         if max_new_tokens >= self.max_length:
             raise ValueError(f"a task asks for {max_new_tokens} new tokens, not fewer than --max_seq_length "
                              f"{self.max_length}; raise --max_seq_length")
@@ -271,6 +278,8 @@ def main(checkpoint_path: Path, tasks: Optional[list], perplexity: Optional[Path
         raise FileNotFoundError(f"--include_path {include_path} is not a directory of task YAML files")
     if perplexity is not None and not perplexity.is_file():
         raise FileNotFoundError(f"--perplexity {perplexity}: no such file")
+    if output_json is not None:
+        check_output_file(output_json, "--output_json")  # now, not after the whole evaluation
     device = check_device(device or default_device())
     dist = maybe_init_dist(device)  # under torchrun: tensor parallel, one shard (and device) per rank
     device = dist.device if dist else device
@@ -281,9 +290,14 @@ def main(checkpoint_path: Path, tasks: Optional[list], perplexity: Optional[Path
     # only rank 0 prints (cli) and writes --output_json.
     model = load_model(checkpoint_path, device, dtype, tp=dist)
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
+    check_vocab(tokenizer, model.config.vocab_size, Path(checkpoint_path).parent)
+    if apply_chat_template:
+        tokenizer.compiled_chat_template()  # before the first request, not after the model ran
     device_sync(device)
     log(f"Loaded {checkpoint_path} in {time.perf_counter() - t0:.2f} s")
-    scorer = Scorer(model, tokenizer, max_seq_length or model.config.block_size, batch_size, compile)
+    scorer = Scorer(model, tokenizer, model.config.block_size if max_seq_length is None else max_seq_length,
+                    batch_size, compile)
+    stride = scorer.max_length // 2 if stride is None else stride
 
     output = {}
     if tasks:
@@ -296,13 +310,16 @@ def main(checkpoint_path: Path, tasks: Optional[list], perplexity: Optional[Path
             print(make_table(results, "groups"))
         output.update(results)
     if perplexity is not None:
-        tokens = tokenizer.encode(perplexity.read_text())
+        try:
+            tokens = tokenizer.encode(perplexity.read_text())
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--perplexity {perplexity} is not UTF-8 text ({e})") from None
         t0 = time.perf_counter()
-        ppl, n = scorer.perplexity(tokens, stride or scorer.max_length // 2)
+        ppl, n = scorer.perplexity(tokens, stride)
         device_sync(device)
         log(f"Perplexity took {time.perf_counter() - t0:.1f} s ({n / (time.perf_counter() - t0):.0f} tokens/s)")
         print(f"perplexity {ppl:.4f} on {perplexity} ({n} tokens scored, max_seq_length {scorer.max_length}, "
-              f"stride {stride or scorer.max_length // 2})")
+              f"stride {stride})")
         output["perplexity"] = ppl
     if output_json is not None and (dist is None or dist.rank == 0):
         atomic_write_text(output_json, json.dumps(output, indent=2, default=str) + "\n")
@@ -316,18 +333,18 @@ def parse_args(argv=None):
     p.add_argument("--tasks", nargs="+", default=None, help="lm_eval task names (e.g. hellaswag winogrande)")
     p.add_argument("--perplexity", type=Path, default=None, metavar="FILE",
                    help="strided perplexity of this text file (needs no lm_eval)")
-    p.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")
-    p.add_argument("--limit", type=float, default=None,
+    p.add_argument("--num_fewshot", type=nonnegative_int, default=None, help="few-shot examples per prompt (default: the task's)")
+    p.add_argument("--limit", type=finite_float(0, low_open=True), default=None,
                    help="examples per task: N, or a fraction below 1 (for quick checks; not comparable scores)")
     p.add_argument("--include_path", type=Path, default=None, help="directory of your own lm_eval task YAML files")
     p.add_argument("--apply_chat_template", action="store_true",
                    help="wrap prompts in the checkpoint's chat template (instruct models)")
-    p.add_argument("--max_seq_length", type=int, default=None,
+    p.add_argument("--max_seq_length", type=int_in(2), default=None,
                    help="context window in tokens: longer inputs lose their oldest tokens; the perplexity window "
                         "(default: the model's context)")
-    p.add_argument("--stride", type=int, default=None,
+    p.add_argument("--stride", type=positive_int, default=None,
                    help="perplexity: tokens between window starts (default: half of --max_seq_length)")
-    p.add_argument("--batch_size", type=int, default=1, help="requests per forward pass")
+    p.add_argument("--batch_size", type=positive_int, default=1, help="requests per forward pass")
     p.add_argument("--compile", action="store_true", help="compile the forward pass and decode step (torch.compile)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
@@ -338,13 +355,8 @@ def parse_args(argv=None):
 
 def cli(argv=None):
     args = parse_args(argv)
-    try:
-        with rank0_output():
-            main(**vars(args))
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        sys.exit(130)
+    with error_boundary(), rank0_output():
+        main(**vars(args))
 
 
 if __name__ == "__main__":

@@ -18,12 +18,13 @@ from torch import Tensor
 
 import speculative
 from compiling import compile_prefill as compile_prefill_step, compile_step
-from decode import check_context, decode_one_token, generate, prefill, trim_at_eos
+from decode import check_context, check_sampling, decode_one_token, generate, prefill, trim_at_eos
 from engine import DEFAULT_PREFILL_CHUNK, Engine, Request, check_request
+from errors import SEED, check_output_file, error_boundary, finite_float, nonnegative_int, positive_int
 from load import (DEFAULT_CHECKPOINT, PRECISIONS, atomic_write_text, check_device, default_device, default_precision,
                   device_sync, load_model, log, maybe_init_dist, model_bytes, rank0_output)
 from model import ModelArgs
-from tokenizer import load_tokenizer
+from tokenizer import check_vocab, load_tokenizer, read_json
 
 
 class TextStreamer:
@@ -57,21 +58,39 @@ class TextStreamer:
 
 def sampling_settings(checkpoint_dir: Path, temperature: Optional[float], top_k: Optional[int],
                       top_p: Optional[float]) -> dict:
-    """Flags win; then the checkpoint's generation_config.json, as transformers reads it; else greedy."""
+    """Flags win; then the checkpoint's generation_config.json, as transformers reads it; else greedy.
+    top_k 0 means no top-k, as in transformers."""
     path = checkpoint_dir / "generation_config.json"
-    gen = json.loads(path.read_text()) if path.is_file() else {}
+    gen = read_json(path)
     if temperature is None:
         temperature = gen.get("temperature", 1.0) if gen.get("do_sample") else 0.0
     if gen.get("do_sample") or temperature > 0:
         top_k = top_k if top_k is not None else gen.get("top_k")
         top_p = top_p if top_p is not None else gen.get("top_p")
-    return dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    try:
+        check_sampling(temperature, top_k, top_p)
+    except ValueError as e:  # the flags were checked by argparse: the file is at fault
+        raise ValueError(f"{path}: {e}; fix the file or pass --temperature, --top_k, --top_p") from None
+    return dict(temperature=temperature, top_k=top_k or None, top_p=top_p)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list:
     if chat:
         return tokenizer.encode_chat([{"role": "user", "content": prompt}])
     return tokenizer.encode(prompt)
+
+
+def check_options(interactive: bool, profile: Optional[Path], draft_checkpoint_path: Optional[Path],
+                  speculate_ngram: Optional[int], batch_size: int):
+    """What can be refused before loading anything."""
+    if draft_checkpoint_path is not None and speculate_ngram is not None:
+        raise ValueError("--draft_checkpoint_path and --speculate_ngram are two ways to draft; pass one")
+    if (draft_checkpoint_path is not None or speculate_ngram is not None) and batch_size != 1:
+        raise ValueError("speculative decoding generates one sequence at a time; use --batch_size 1")
+    if interactive and profile is not None:
+        raise ValueError("--profile traces the last sample of a run, not a chat; drop one of them")
+    if profile is not None:
+        check_output_file(profile, "--profile")
 
 
 def synthetic_prompt(length: int, config: ModelArgs) -> list:
@@ -164,9 +183,15 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
          draft_checkpoint_path: Optional[Path], speculate_k: int, speculate_ngram: Optional[int],
          prompts_file: Optional[Path], output: Optional[Path], max_batch_size: int, max_seq_length: Optional[int],
          prefill_chunk: int):
-    if prompts_file is not None and (interactive or draft_checkpoint_path or speculate_ngram or batch_size != 1):
-        raise ValueError("--prompts_file runs the prompts through the serving engine; it does not combine with "
-                         "--interactive, speculative decoding or --batch_size (use --max_batch_size)")
+    check_options(interactive, profile, draft_checkpoint_path, speculate_ngram, batch_size)
+    if prompts_file is not None:
+        if interactive or draft_checkpoint_path or speculate_ngram or batch_size != 1:
+            raise ValueError("--prompts_file runs the prompts through the serving engine; it does not combine with "
+                             "--interactive, speculative decoding or --batch_size (use --max_batch_size)")
+        if not prompts_file.is_file():
+            raise FileNotFoundError(f"--prompts_file {prompts_file}: no such file")
+        if output is not None:
+            check_output_file(output, "--output")
     if checkpoint_path is None:
         checkpoint_path = DEFAULT_CHECKPOINT
         if not checkpoint_path.is_file():
@@ -183,9 +208,7 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
     t0 = time.perf_counter()
     model = load_model(checkpoint_path, device, dtype, tp=dist)
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"wrong tokenizer for this checkpoint: it has {tokenizer.vocab_size} tokens, the model "
-                         f"{model.config.vocab_size}; re-run the conversion so the tokenizer files match")
+    check_vocab(tokenizer, model.config.vocab_size, Path(checkpoint_path).parent)
     device_sync(device)
     # Weight bytes rather than a parameter count: quantized layers keep their weights in buffers.
     log(f"Loaded {checkpoint_path} ({model_bytes(model) / 1e6:.1f} MB of weights, "
@@ -194,6 +217,8 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
     sampling = sampling_settings(Path(checkpoint_path).parent, temperature, top_k, top_p)
     if chat is None:  # like llama.cpp's CLI: a checkpoint with a chat template is chatted with
         chat = tokenizer.chat_template is not None and synthetic_prompt_len is None
+    if chat or interactive:
+        tokenizer.compiled_chat_template()  # no template, or a broken one: say so before the first turn
     prefill_fn, decode_fn = prefill, decode_one_token
     if compile:
         decode_fn = compile_step(decode_one_token, device)
@@ -201,8 +226,6 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
     generate_fn = functools.partial(generate, prefill_fn=prefill_fn, decode_fn=decode_fn)
     accepted = None  # accepted draft tokens per verify step, when speculating
     if draft_checkpoint_path is not None or speculate_ngram is not None:
-        if draft_checkpoint_path is not None and speculate_ngram is not None:
-            raise ValueError("--draft_checkpoint_path and --speculate_ngram are two ways to draft; pass one")
         draft = None
         if draft_checkpoint_path is not None:
             draft = speculative.load_draft(draft_checkpoint_path, model, tokenizer, device, dtype)
@@ -296,20 +319,22 @@ def chat_loop(model, tokenizer, device, max_new_tokens, generate_fn, sampling):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Generate text with a brisk checkpoint.")
     p.add_argument("--prompt", default="Hello, my name is", help="input text")
-    p.add_argument("--synthetic_prompt_len", type=int, default=None, metavar="N",
+    p.add_argument("--synthetic_prompt_len", type=positive_int, default=None, metavar="N",
                    help="instead of --prompt, N reproducible random tokens (benchmarks; no chat template)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap --prompt in the checkpoint's chat template (default: when it has one; "
                         "--no-chat continues the raw text)")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin (uses the chat template)")
-    p.add_argument("--num_samples", type=int, default=1, help="how many times to generate")
-    p.add_argument("--max_new_tokens", type=int, default=200, help="the most tokens to generate per sample")
-    p.add_argument("--batch_size", type=int, default=1, help="rows generated in parallel from the same prompt")
-    p.add_argument("--temperature", type=float, default=None,
+    p.add_argument("--num_samples", type=positive_int, default=1, help="how many times to generate")
+    p.add_argument("--max_new_tokens", type=positive_int, default=200, help="the most tokens to generate per sample")
+    p.add_argument("--batch_size", type=positive_int, default=1, help="rows generated in parallel from the same prompt")
+    p.add_argument("--temperature", type=finite_float(0), default=None,
                    help="sampling temperature; 0 means greedy argmax (default: the checkpoint's "
                         "generation_config.json when it samples, else greedy, as transformers does)")
-    p.add_argument("--top_k", type=int, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--top_p", type=float, default=None, help="nucleus sampling: the smallest set with this mass")
+    p.add_argument("--top_k", type=nonnegative_int, default=None,
+                   help="sample among the k most likely tokens (0: all of them, as in transformers)")
+    p.add_argument("--top_p", type=finite_float(0, 1, low_open=True), default=None,
+                   help="nucleus sampling: the smallest set with this mass, in (0, 1]")
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help=f"model.pth of a converted checkpoint (default: {DEFAULT_CHECKPOINT})")
     p.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
@@ -318,37 +343,32 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
                    help="weights and activations dtype (default: bfloat16 on CUDA, float16 on MPS, float32 on CPU)")
     p.add_argument("--profile", type=Path, default=None, help="write a torch profiler trace of the last sample")
-    p.add_argument("--seed", type=int, default=1234, help="random seed for sampling")
+    p.add_argument("--seed", type=SEED, default=1234, help="random seed for sampling")
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at end-of-sequence (benchmarks)")
     p.add_argument("--draft_checkpoint_path", type=Path, default=None,
                    help="speculative decoding: a smaller or quantized model with the same vocabulary drafts "
                         "tokens that the target verifies (the output is still the target's)")
-    p.add_argument("--speculate_ngram", type=int, default=None, metavar="N",
+    p.add_argument("--speculate_ngram", type=positive_int, default=None, metavar="N",
                    help="speculative decoding without a draft model: propose the tokens that followed the "
                         "latest earlier occurrence of the last N (down to 1) tokens (prompt lookup)")
-    p.add_argument("--speculate_k", type=int, default=5, help="draft tokens the target verifies per forward")
+    p.add_argument("--speculate_k", type=positive_int, default=5, help="draft tokens the target verifies per forward")
     g = p.add_argument_group("batch inference", "many prompts through the serving engine (engine.py)")
     g.add_argument("--prompts_file", type=Path, default=None,
                    help="a .txt file (a prompt per line) or .jsonl file (objects with \"prompt\" and optional "
                         "max_new_tokens, temperature, top_p, top_k, seed, stop): one JSON result per prompt")
     g.add_argument("--output", type=Path, default=None, help="write the JSONL results here instead of stdout")
-    g.add_argument("--max_batch_size", type=int, default=8, help="KV cache slots: requests decoded together")
-    g.add_argument("--max_seq_length", type=int, default=None,
+    g.add_argument("--max_batch_size", type=positive_int, default=8, help="KV cache slots: requests decoded together")
+    g.add_argument("--max_seq_length", type=positive_int, default=None,
                    help="positions per slot (default: the longest prompt plus its max_new_tokens)")
-    g.add_argument("--prefill_chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+    g.add_argument("--prefill_chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
                    help="the most prompt tokens prefilled per engine step, beside the decode step")
     return p.parse_args(argv)
 
 
 def cli(argv=None):
     args = parse_args(argv)
-    try:
-        with rank0_output():
-            main(**vars(args))
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        sys.exit(130)
+    with error_boundary(), rank0_output():
+        main(**vars(args))
 
 
 if __name__ == "__main__":

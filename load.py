@@ -109,6 +109,8 @@ def rank0_output():
 def checkpoint_config(checkpoint_path) -> ModelArgs:
     """The ModelArgs of config.json beside checkpoint_path, with errors that say how to get both."""
     checkpoint_path = Path(checkpoint_path)
+    if checkpoint_path.is_dir():
+        raise ValueError(f"checkpoint {checkpoint_path} is a folder; pass the model.pth inside it")
     if not checkpoint_path.is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint_path} not found; convert one with "
                                 "scripts/prepare.sh REPO_ID or scripts/convert_hf_checkpoint.py")
@@ -127,8 +129,12 @@ def read_checkpoint(checkpoint_path) -> tuple:
         raise ValueError(f"{checkpoint_path} is not a readable checkpoint ({type(e).__name__}: {e}); "
                          "re-run the conversion") from e
     if isinstance(checkpoint, dict) and "quantization" in checkpoint and "state_dict" in checkpoint:
-        return checkpoint["state_dict"], checkpoint["quantization"]
-    return checkpoint, None
+        checkpoint, quantization = checkpoint["state_dict"], checkpoint["quantization"]
+    else:
+        quantization = None
+    if not isinstance(checkpoint, dict) or not all(isinstance(t, torch.Tensor) for t in checkpoint.values()):
+        raise ValueError(f"{checkpoint_path} does not hold a state dict (names to tensors); re-run the conversion")
+    return checkpoint, quantization
 
 
 def with_tied_output(state_dict: dict, config: ModelArgs) -> dict:
@@ -138,25 +144,67 @@ def with_tied_output(state_dict: dict, config: ModelArgs) -> dict:
     return state_dict
 
 
-def atomic_save(obj, path: Path):
-    """torch.save to a temporary name, then rename: a failed write leaves no half-written file."""
+def check_state_dict(model: torch.nn.Module, state_dict: dict, checkpoint_path) -> None:
+    """The checkpoint's tensor names and shapes are the model's (built from config.json), or a
+    ValueError saying what differs; load_state_dict's own error is a page of names."""
+    checkpoint_path = Path(checkpoint_path)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state_dict.items()}
+    fix = (f"{checkpoint_path.parent / 'config.json'} does not describe {checkpoint_path}; "
+           "re-run the conversion so both come from one")
+    missing, unexpected = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    if any(k.startswith("model.") or k == "lm_head.weight" for k in unexpected):
+        raise ValueError(f"{checkpoint_path} holds Hugging Face tensor names ({unexpected[0]}); convert it with "
+                         "scripts/convert_hf_checkpoint.py")
+    layers = {int(k.split(".")[1]) for k in got if k.startswith("layers.") and k.split(".")[1].isdigit()}
+    n_layer = getattr(getattr(model, "config", None), "n_layer", None)
+    if n_layer is not None and layers and len(layers) != n_layer:
+        raise ValueError(f"config.json says n_layer {n_layer} but {checkpoint_path.name} holds {len(layers)} "
+                         f"layers; {fix}")
+    if missing or unexpected:
+        what = [f"missing {missing[:3]}"] * bool(missing) + [f"unexpected {unexpected[:3]}"] * bool(unexpected)
+        raise ValueError(f"{checkpoint_path.name} does not match config.json ({', '.join(what)}); {fix}")
+    for k, shape in expected.items():
+        if got[k] != shape:
+            raise ValueError(f"{k} is {list(got[k])} in {checkpoint_path.name} but config.json makes it "
+                             f"{list(shape)}; {fix}")
+
+
+def atomic_write(path, write) -> None:
+    """write(tmp_path) to a temporary name beside path, then rename: a failed or killed write never
+    leaves a half-written file under the real name. A temporary file left by a killed run is
+    replaced, whatever its permissions."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        torch.save(obj, tmp)
+        tmp.unlink(missing_ok=True)
+        write(tmp)
         tmp.replace(path)
+    except OSError as e:
+        if e.filename is None:  # a full disk says so without naming the file
+            e.filename = str(path)
+        raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def atomic_save(obj, path: Path):
+    """torch.save, atomically."""
+    def save(tmp: Path):
+        # Through a Python file, so that a failed write (a full disk) is an OSError with its errno.
+        # torch's zip writer then still fails on closing ("unexpected pos"): the OSError is its cause.
+        with open(tmp, "wb") as f:
+            try:
+                torch.save(obj, f)
+            except RuntimeError as e:
+                if isinstance(e.__context__, OSError):
+                    raise e.__context__ from None
+                raise
+    atomic_write(path, save)
 
 
 def atomic_write_text(path: Path, text: str):
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,7 +225,12 @@ def load_model(checkpoint_path, device="cpu", precision: torch.dtype = torch.flo
     state_dict, quantization = read_checkpoint(checkpoint_path)
     if quantization is not None:
         import quantized
-        quantized.prepare_model(model, quantization)
+        try:
+            quantized.prepare_model(model, quantization)
+        except (AttributeError, KeyError, TypeError) as e:  # metadata naming modules the config does not build
+            raise ValueError(f"the quantization metadata in {checkpoint_path} does not fit config.json ({e!r}); "
+                             "quantize the model again from its full-precision model.pth") from None
+    check_state_dict(model, with_tied_output(state_dict, config), checkpoint_path)
     model.load_state_dict(with_tied_output(state_dict, config), assign=True, strict=True)
     if config.tie_embeddings and quantization is None:
         model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter

@@ -7,16 +7,17 @@ norms, GeGLU and soft-capping, per-layer sliding windows and RoPE) come from `Mo
 the converters write as config.json beside the weights; the defaults are LLaMA's.
 """
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 from torch.nn import functional as F
 
-from rope import apply_rope, precompute_rope
+from rope import apply_rope, precompute_rope, rope_frequencies
 
 
 @dataclass
@@ -55,10 +56,13 @@ class ModelArgs:
     no_rope_layers: Optional[list] = None  # layers without RoPE (SmolLM3)
 
     def __post_init__(self):
+        self.check_types()
         if self.n_local_heads == -1:
             self.n_local_heads = self.n_head
         if self.head_dim is None:
-            self.head_dim = self.dim // self.n_head
+            if self.n_head > 0 and self.dim % self.n_head:
+                raise ValueError(f"dim {self.dim} is not a multiple of n_head {self.n_head}; set head_dim")
+            self.head_dim = self.dim // max(self.n_head, 1)
         if self.intermediate_size is None:
             # LLaMA's rule: 2/3 of 4*dim, rounded up to a multiple of 256.
             hidden = int(2 * (4 * self.dim) / 3)
@@ -72,10 +76,59 @@ class ModelArgs:
                                    ("hidden_act", self.hidden_act, tuple(ACTIVATIONS))):
             if value not in valid:
                 raise ValueError(f"unsupported {name} {value!r}; supported: {', '.join(map(str, valid))}")
+        self.check_values()
 
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window is not None and (self.sliding_window_layers is None
                                                     or layer in self.sliding_window_layers)
+
+    def check_types(self):
+        """Every field holds its annotated type (JSON gives strings and nulls where numbers belong)."""
+        for f in fields(self):
+            value, kind = getattr(self, f.name), f.type
+            optional = getattr(kind, "__origin__", None) is Union and type(None) in kind.__args__
+            if optional:
+                if value is None:
+                    continue
+                kind = next(a for a in kind.__args__ if a is not type(None))
+            kind = getattr(kind, "__origin__", kind)  # dict[str, float] -> dict
+            if kind is float:  # JSON writes 10000.0 as 10000 too
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            elif kind is int:
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            elif isinstance(kind, type):
+                ok = isinstance(value, kind)
+            else:
+                continue
+            if not ok:
+                name = kind.__name__ if isinstance(kind, type) else str(kind)
+                raise ValueError(f"{f.name} must be {'null or ' if optional else ''}a{'n' if name == 'int' else ''} "
+                                 f"{name}, got {value!r}")
+
+    def check_values(self):
+        """Sizes the model can be built with; the message names the field."""
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "dim", "intermediate_size", "n_local_heads",
+                     "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.n_head % self.n_local_heads:
+            raise ValueError(f"n_head {self.n_head} is not a multiple of n_local_heads {self.n_local_heads} "
+                             "(each key/value head serves a whole group of query heads)")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even (RoPE rotates pairs of dimensions)")
+        if self.rope_base <= 0 or self.norm_eps <= 0:
+            raise ValueError(f"rope_base and norm_eps must be positive, got {self.rope_base}, {self.norm_eps}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be null or positive, got {self.sliding_window}")
+        if self.num_experts < 0 or (self.num_experts and not 1 <= self.num_activated_experts <= self.num_experts):
+            raise ValueError(f"num_experts {self.num_experts} must be 0 (no experts) or at least "
+                             f"num_activated_experts ({self.num_activated_experts}, at least 1)")
+        try:  # the one place that knows the rope types and their keys (any head_dim tells)
+            rope_frequencies(2, self.rope_base, self.rope_scaling)
+        except KeyError as e:
+            raise ValueError(f"rope_scaling {self.rope_scaling} lacks the key {e}") from None
+        except TypeError as e:
+            raise ValueError(f"rope_scaling {self.rope_scaling} holds a value of the wrong type ({e})") from None
 
     @classmethod
     def from_name(cls, name: str) -> "ModelArgs":
@@ -85,13 +138,22 @@ class ModelArgs:
 
     @classmethod
     def from_json(cls, path) -> "ModelArgs":
-        data = json.loads(Path(path).read_text())
+        fix = "fix the field or re-run the conversion (scripts/convert_hf_checkpoint.py writes config.json)"
+        try:
+            data = json.loads(Path(path).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); {fix}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object of ModelArgs fields; {fix}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{path}: unknown config keys {unknown}; is this a brisk config.json "
                              "(written by scripts/convert_hf_checkpoint.py)?")
-        return cls(**data)
+        try:
+            return cls(**data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}; {fix}") from None
 
     def to_json(self, path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")

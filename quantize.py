@@ -20,7 +20,8 @@ import torch.nn as nn
 from torch import Tensor
 
 import GPTQ
-from load import atomic_save, checkpoint_config, read_checkpoint, with_tied_output
+from errors import SEED, check_output_file, error_boundary, finite_float, int_in, positive_int
+from load import atomic_save, check_state_dict, checkpoint_config, read_checkpoint, with_tied_output
 from model import ModelArgs, MoEFeedForward, Transformer
 from quantized import (FORMAT_VERSION, GROUP_SIZES, dequantize_int4, dequantize_int8, padded_size, prepare_model,
                        quantize_int4, quantize_int8)
@@ -118,23 +119,26 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: Optional[int] = N
     int4-gptq takes its calibration and GPTQ settings as keyword arguments (GPTQ.quantize_state_dict's).
     """
     groupsize = check_options(mode, groupsize)
+    if mode != "int4-gptq" and gptq_options:
+        raise ValueError(f"--{sorted(gptq_options)[0]} applies to --mode int4-gptq only")
     checkpoint_path = Path(checkpoint_path)
     config = checkpoint_config(checkpoint_path)
+    output_path = Path(output_path) if output_path else output_name(checkpoint_path, mode, groupsize)
+    check_output_file(output_path, "output")  # before the minutes of quantizing
     state_dict, quantization = read_checkpoint(checkpoint_path)
     if quantization is not None:
-        raise ValueError(f"{checkpoint_path} is already quantized ({quantization['mode']}); "
+        raise ValueError(f"{checkpoint_path} is already quantized ({quantization.get('mode')}); "
                          "quantize the full-precision model.pth instead")
+    with torch.device("meta"):
+        check_state_dict(Transformer(config), with_tied_output(state_dict, config), checkpoint_path)
     metadata = {"format": FORMAT_VERSION, "mode": mode, "bits": 8 if mode == "int8" else 4, "groupsize": groupsize}
     if mode == "int4-gptq":
         sd, layers, metadata["gptq"] = GPTQ.quantize_state_dict(state_dict, config, checkpoint_path.parent, groupsize,
                                                                 log=log, **gptq_options)
     else:
-        if gptq_options:
-            raise ValueError(f"--{sorted(gptq_options)[0]} applies to --mode int4-gptq only")
         sd, layers = quantize_state_dict(state_dict, config, mode, groupsize, log)
     metadata["layers"] = layers
     check_loadable(config, metadata, sd)
-    output_path = Path(output_path) if output_path else output_name(checkpoint_path, mode, groupsize)
     atomic_save({"quantization": metadata, "state_dict": sd}, output_path)
     return output_path
 
@@ -156,8 +160,9 @@ def main(checkpoint_path: Path, mode: str, groupsize: Optional[int], **gptq_opti
     def log(*args):
         print(*args, file=sys.stderr, flush=True)
 
-    # Options left unset take GPTQ.py's defaults (and are errors with the other modes).
-    gptq_options = {k: v for k, v in gptq_options.items() if v not in (None, False)}
+    # Options left unset take GPTQ.py's defaults (and are errors with the other modes). `is`, not
+    # `in (None, False)`: 0 == False, and a 0 given by the user must reach the check that refuses it.
+    gptq_options = {k: v for k, v in gptq_options.items() if v is not None and v is not False}
     output = quantize_checkpoint(checkpoint_path, mode, groupsize, log=log, **gptq_options)
     log(f"wrote {output} ({output.stat().st_size / 1e6:.1f} MB; {checkpoint_path.stat().st_size / 1e6:.1f} MB before)")
 
@@ -178,14 +183,14 @@ def parse_args(argv=None):
                    help="a local text file to calibrate on (a few hundred KB of text like what the model will see)")
     g.add_argument("--calibration_tasks", nargs="+", default=None,
                    help="lm_eval tasks whose documents to calibrate on instead (e.g. wikitext; downloads their data)")
-    g.add_argument("--calibration_limit", type=int, default=None,
+    g.add_argument("--calibration_limit", type=positive_int, default=None,
                    help=f"calibration sequences, sampled at random offsets (default {GPTQ.DEFAULT_CALIBRATION_LIMIT})")
-    g.add_argument("--calibration_seq_length", type=int, default=None, help=f"tokens per sequence (default {GPTQ.DEFAULT_CALIBRATION_SEQ_LENGTH}, or the "
+    g.add_argument("--calibration_seq_length", type=int_in(2), default=None, help=f"tokens per sequence (default {GPTQ.DEFAULT_CALIBRATION_SEQ_LENGTH}, or the "
                         "model's context if shorter)")
-    g.add_argument("--seed", type=int, default=None, help=f"seed of the sequence sampling (default {GPTQ.DEFAULT_SEED})")
-    g.add_argument("--percdamp", type=float, default=None,
+    g.add_argument("--seed", type=SEED, default=None, help=f"seed of the sequence sampling (default {GPTQ.DEFAULT_SEED})")
+    g.add_argument("--percdamp", type=finite_float(0, 1, low_open=True, high_open=True), default=None,
                    help=f"dampening added to the Hessian's diagonal, as a fraction of its mean (default {GPTQ.DEFAULT_PERCDAMP})")
-    g.add_argument("--blocksize", type=int, default=None, help=f"columns per lazy batch update (default {GPTQ.DEFAULT_BLOCKSIZE})")
+    g.add_argument("--blocksize", type=positive_int, default=None, help=f"columns per lazy batch update (default {GPTQ.DEFAULT_BLOCKSIZE})")
     g.add_argument("--act_order", action="store_true",
                    help="quantize the most active input channels first (often better; same file layout)")
     g.add_argument("--device", default=None, help="where GPTQ runs (default: cuda if available, else cpu)")
@@ -194,12 +199,8 @@ def parse_args(argv=None):
 
 def cli(argv=None):
     args = parse_args(argv)
-    try:
+    with error_boundary():
         main(**vars(args))
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        sys.exit(130)
 
 
 if __name__ == "__main__":

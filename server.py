@@ -18,7 +18,6 @@ import asyncio
 import ipaddress
 import json
 import math
-import sys
 import threading
 import time
 import uuid
@@ -27,6 +26,7 @@ from typing import Optional
 
 
 from engine import DEFAULT_PREFILL_CHUNK, Engine, Request
+from errors import SEED, error_boundary, finite_float, int_in, positive_int
 from load import (DEFAULT_CHECKPOINT, PRECISIONS, check_device, default_device, default_precision, load_model, log,
                   maybe_init_dist)
 from tokenizer import load_tokenizer
@@ -502,32 +502,28 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help=f"model.pth of a converted checkpoint (default: {DEFAULT_CHECKPOINT})")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (other than loopback needs --api_key)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--port", type=int_in(1, 65535), default=8000, help="port to listen on")
     p.add_argument("--api_key", default=None, help="require 'Authorization: Bearer KEY' on the API")
-    p.add_argument("--max_batch_size", type=int, default=8, help="KV cache slots: requests decoded together")
-    p.add_argument("--max_seq_length", type=int, default=None,
+    p.add_argument("--max_batch_size", type=positive_int, default=8, help="KV cache slots: requests decoded together")
+    p.add_argument("--max_seq_length", type=positive_int, default=None,
                    help="positions per slot: prompt plus answer (default: the model's context, at most 4096)")
-    p.add_argument("--prefill_chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+    p.add_argument("--prefill_chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
                    help="the most prompt tokens prefilled per engine step, beside the decode step")
     p.add_argument("--compile", action="store_true", help="compile the engine's decode step (at startup)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
                    help="weights and activations dtype (default: bfloat16 on CUDA, float16 on MPS, float32 on CPU)")
     p.add_argument("--model_name", default=None, help="the model id clients use (default: the checkpoint's folder)")
-    p.add_argument("--shutdown_timeout", type=float, default=30.0,
+    p.add_argument("--shutdown_timeout", type=finite_float(0), default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C")
-    p.add_argument("--seed", type=int, default=0, help="seeds the requests that bring none")
+    p.add_argument("--seed", type=SEED, default=0, help="seeds the requests that bring none")
     return p.parse_args(argv)
 
 
 def cli(argv=None):
     args = parse_args(argv)
-    try:
+    with error_boundary():
         main(**vars(args))
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        sys.exit(130)
 
 
 if __name__ == "__main__":

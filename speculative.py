@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from compiling import skip_guards
-from decode import decode_one_token, logits_to_probs, prefill
+from decode import check_context, check_sampling, decode_one_token, logits_to_probs, prefill
 from load import load_model
 from model import Transformer
 from tokenizer import load_tokenizer
@@ -86,6 +86,8 @@ def speculative_generate(model: Transformer, prompt: Tensor, max_new_tokens: int
         raise ValueError("speculative decoding generates one sequence at a time; use --batch_size 1")
     if k < 1 or (ngram is not None and ngram < 1):
         raise ValueError(f"--speculate_k and --speculate_ngram must be at least 1, got {k} and {ngram}")
+    check_context(model.config, T, max_new_tokens)
+    check_sampling(temperature, top_k, top_p)
     # The last verify step writes up to k - 1 positions past the final token.
     max_seq_length = T + max_new_tokens + k - 1
     if max_seq_length > model.config.block_size:

@@ -23,12 +23,30 @@ class Tokenizer:
     eos_token: str = ""
 
     def encode(self, text: str, bos: Optional[bool] = None) -> list:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # bytes that were not UTF-8, smuggled in by the OS as surrogates
+            raise ValueError(f"the text is not valid UTF-8 (at character {e.start}); pass UTF-8 text") from None
         ids = self._encode(text)
         if (self.add_bos if bos is None else bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
 
+    chat_template_source: str = "tokenizer_config.json"
+
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str:
+        import jinja2
+        try:
+            return self.compiled_chat_template().render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token, eos_token=self.eos_token)
+        # The template is the checkpoint's code: whatever it raises is a fault of that file.
+        except (jinja2.TemplateError, TypeError, LookupError, ArithmeticError) as e:
+            raise ValueError(f"the chat template in {self.chat_template_source} failed ({type(e).__name__}: {e}); "
+                             "fix it, or pass --no-chat") from None
+
+    def compiled_chat_template(self):
+        """The chat template as a jinja2 Template; a ValueError when there is none or it does not parse."""
         if not self.chat_template:
             raise ValueError("this checkpoint's tokenizer has no chat template (tokenizer_config.json "
                              "'chat_template'); use plain prompts instead of chat mode")
@@ -41,23 +59,33 @@ class Tokenizer:
                                                            extensions=["jinja2.ext.loopcontrols"])
         env.globals.update(raise_exception=raise_exception,
                            strftime_now=lambda fmt: datetime.now().strftime(fmt))
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token, eos_token=self.eos_token)
+        try:
+            return env.from_string(self.chat_template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"the chat template in {self.chat_template_source} has a syntax error (line {e.lineno}: "
+                             f"{e.message}); fix it, or pass --no-chat") from None
 
     def encode_chat(self, messages: list) -> list:
         # The template writes BOS itself where the model wants one.
         return self.encode(self.apply_chat_template(messages), bos=False)
 
     def _load_special(self, checkpoint_dir: Path, default_add_bos: bool):
-        cfg = _read_json(checkpoint_dir / "tokenizer_config.json")
-        gen = _read_json(checkpoint_dir / "generation_config.json")
+        cfg = read_json(checkpoint_dir / "tokenizer_config.json")
+        gen = read_json(checkpoint_dir / "generation_config.json")
         self.chat_template = cfg.get("chat_template")
+        self.chat_template_source = str(checkpoint_dir / "tokenizer_config.json")
         if (checkpoint_dir / "chat_template.jinja").is_file():  # where transformers 5 writes it
             self.chat_template = (checkpoint_dir / "chat_template.jinja").read_text()
+            self.chat_template_source = str(checkpoint_dir / "chat_template.jinja")
         if isinstance(self.chat_template, list):  # named templates: take the default one
-            self.chat_template = next((t["template"] for t in self.chat_template if t.get("name") == "default"),
-                                      self.chat_template[0]["template"])
+            try:
+                self.chat_template = next((t["template"] for t in self.chat_template if t.get("name") == "default"),
+                                          self.chat_template[0]["template"])
+            except (LookupError, TypeError, AttributeError):
+                raise ValueError(f"{self.chat_template_source}: chat_template is a list but not of "
+                                 '{"name": ..., "template": ...} entries') from None
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ValueError(f"{self.chat_template_source}: chat_template must be a string")
         bos = _token_content(cfg.get("bos_token"))
         eos = _token_content(cfg.get("eos_token"))
         if bos is not None and self.token_id(bos) is not None:
@@ -65,7 +93,11 @@ class Tokenizer:
         if eos is not None and self.token_id(eos) is not None:
             self.eos_ids, self.eos_token = [self.token_id(eos)], eos
         gen_eos = gen.get("eos_token_id")
-        for i in gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []:
+        gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in gen_eos):
+            raise ValueError(f"{checkpoint_dir / 'generation_config.json'}: eos_token_id must be a token id or a "
+                             f"list of them, got {gen.get('eos_token_id')!r}")
+        for i in gen_eos:
             if i not in self.eos_ids:
                 self.eos_ids.append(i)
         self.add_bos = cfg.get("add_bos_token", default_add_bos) and self.bos_id is not None
@@ -76,12 +108,17 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, checkpoint_dir: Path):
         from tokenizers import Tokenizer as _Tok
-        self.tok = _Tok.from_file(str(checkpoint_dir / "tokenizer.json"))
+        path = checkpoint_dir / "tokenizer.json"
+        try:
+            self.tok = _Tok.from_file(str(path))
+        except Exception as e:  # tokenizers raises the base class for every parse error
+            raise ValueError(f"{path} is not a readable tokenizer ({e}); copy it again from the model's "
+                             "files or re-run the conversion") from None
         self.eos_ids = []
         # Without add_bos_token in tokenizer_config.json, transformers relies on the post-processor.
         with_special = self.tok.encode("", add_special_tokens=True).ids
         self._load_special(checkpoint_dir, default_add_bos=False)
-        if "add_bos_token" not in _read_json(checkpoint_dir / "tokenizer_config.json"):
+        if "add_bos_token" not in read_json(checkpoint_dir / "tokenizer_config.json"):
             self.add_bos = self.bos_id is not None and with_special[:1] == [self.bos_id]
 
     def token_id(self, token: str) -> Optional[int]:
@@ -103,7 +140,12 @@ class SentencePieceTokenizer(Tokenizer):
 
     def __init__(self, checkpoint_dir: Path):
         import sentencepiece
-        self.sp = sentencepiece.SentencePieceProcessor(model_file=str(checkpoint_dir / "tokenizer.model"))
+        path = checkpoint_dir / "tokenizer.model"
+        try:
+            self.sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        except (RuntimeError, OSError) as e:
+            raise ValueError(f"{path} is not a readable SentencePiece model ({e}); copy it again from the "
+                             "model's files or re-run the conversion") from None
         self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
         self.eos_ids = [self.sp.eos_id()] if self.sp.eos_id() >= 0 else []
         self.bos_token = self.sp.id_to_piece(self.bos_id) if self.bos_id is not None else ""
@@ -135,7 +177,12 @@ class TiktokenTokenizer(Tokenizer):
     def __init__(self, checkpoint_dir: Path):
         import tiktoken
         from tiktoken.load import load_tiktoken_bpe
-        ranks = load_tiktoken_bpe(str(checkpoint_dir / "tokenizer.model"))
+        path = checkpoint_dir / "tokenizer.model"
+        try:
+            ranks = load_tiktoken_bpe(str(path))
+        except (ValueError, IndexError) as e:
+            raise ValueError(f"{path} is not a readable tiktoken file ({e}); copy it again from the model's "
+                             "files") from None
         names = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
                  "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
                  "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
@@ -185,8 +232,33 @@ def _is_tiktoken(path: Path) -> bool:
     return True
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); copy it again from the model's files") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object")
+    return data
+
+
+# A model's embedding may have more rows than its tokenizer has tokens: padded to a round size
+# (Qwen2 151665 -> 151936 or 152064 rows, Phi-3 32011 -> 32064), never fewer rows, and never
+# more than a round size further. The rule: tokenizer <= model <= tokenizer rounded up to a
+# multiple of VOCAB_PADDING, plus VOCAB_PADDING.
+VOCAB_PADDING = 256
+
+
+def check_vocab(tokenizer: Tokenizer, model_vocab_size: int, checkpoint_dir) -> None:
+    """A ValueError when the tokenizer cannot be this model's (the README's rule on padding)."""
+    n = tokenizer.vocab_size
+    limit = -(-n // VOCAB_PADDING) * VOCAB_PADDING + VOCAB_PADDING
+    if not n <= model_vocab_size <= limit:
+        raise ValueError(f"wrong tokenizer for this checkpoint: the tokenizer in {checkpoint_dir} has {n} tokens, "
+                         f"the model {model_vocab_size} rows (allowed: {n} to {limit}, padding); "
+                         "re-run the conversion so the tokenizer files match")
 
 
 def _token_content(token):

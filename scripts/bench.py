@@ -30,6 +30,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parent.parent
 if __name__ == "__main__":  # run as a script: make the repo root importable
     sys.path.insert(0, str(ROOT))
+from errors import error_boundary, positive_int  # noqa: E402
 
 SYSTEMS = ("brisk", "brisk-compile", "transformers", "transformers-compile", "llama.cpp")
 DEFAULT_SYSTEMS = ("brisk", "brisk-compile", "transformers", "llama.cpp")  # transformers' compile takes minutes
@@ -684,12 +685,12 @@ def parse_args(argv=None):
                         "is off by default: it compiles for minutes)")
     p.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated: fp32, bf16, int8, int4")
     p.add_argument("--prompts", default="short,long", help="short (16 tokens), long (--long_prompt tokens), or both")
-    p.add_argument("--rounds", type=int, default=None, help="alternating rounds; tables keep the best (default 3)")
-    p.add_argument("--new_tokens", type=int, default=None,
+    p.add_argument("--rounds", type=positive_int, default=None, help="alternating rounds; tables keep the best (default 3)")
+    p.add_argument("--new_tokens", type=positive_int, default=None,
                    help="tokens decoded after the short prompt (default 128 for SmolLM2, 64 for the 1B)")
-    p.add_argument("--long_prompt", type=int, default=None, help="tokens in the long prompt (default 1024)")
-    p.add_argument("--long_new_tokens", type=int, default=None, help="tokens decoded after it (default 32)")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for every system")
+    p.add_argument("--long_prompt", type=positive_int, default=None, help="tokens in the long prompt (default 1024)")
+    p.add_argument("--long_new_tokens", type=positive_int, default=None, help="tokens decoded after it (default 32)")
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="threads for every system")
     p.add_argument("--device", default="cpu", help="device for brisk and transformers (llama.cpp: CPU only)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 16 tokens, a 128-token long prompt")
     p.add_argument("--smollm2_dir", type=Path, default=DEFAULT_SMOLLM2_DIR,
@@ -698,7 +699,7 @@ def parse_args(argv=None):
                    help="where the 1B model, GGUFs and quantized checkpoints are made (once)")
     p.add_argument("--llamacpp_dir", type=Path, default=DEFAULT_LLAMACPP_DIR,
                    help="llama.cpp built by scripts/bench_llamacpp.sh (or $BRISK_LLAMACPP_DIR)")
-    p.add_argument("--roofline_mb", type=int, default=None, help="size of the streaming read (default 1024)")
+    p.add_argument("--roofline_mb", type=positive_int, default=None, help="size of the streaming read (default 1024)")
     p.add_argument("--out", type=optional_path, default=ROOT / "bench_results/results.json",
                    help="JSON results ('' for none)")
     p.add_argument("--plot", type=optional_path, default=ROOT / "bench_results/bench.png",
@@ -729,12 +730,8 @@ def cli(argv=None):
     args = parse_args(argv)
     if args.worker:
         return worker_main(json.loads(args.worker))
-    try:
+    with error_boundary():
         main(args)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ import torch
 
 if __name__ == "__main__":  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from load import atomic_save  # noqa: E402
+from errors import check_output_dir, error_boundary  # noqa: E402
+from load import atomic_save, atomic_write, atomic_write_text  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from rope import rope_frequencies  # noqa: E402
 from scripts.convert_hf_checkpoint import check_against_model, split_gate_up  # noqa: E402
@@ -115,8 +116,10 @@ def open_gguf(path: Path):
         raise FileNotFoundError(f"GGUF file {path} not found")
     try:
         return gguf.GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{path} is not a readable GGUF file ({e})") from e
+    except OSError:
+        raise
+    except Exception as e:  # the reader fails with whatever numpy raises on a corrupt header
+        raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); download it again") from None
 
 
 def config_from_gguf(reader) -> ModelArgs:
@@ -312,6 +315,11 @@ def convert_tensors(reader, config: ModelArgs, dtype=None) -> dict:
             continue
         if not all(p + f"w{x}.weight" in state for x in "qkv"):
             raise ValueError(f"layer {i}: q/k/v weights are incomplete in the GGUF file")
+        for x, heads in (("q", config.n_head), ("k", config.n_local_heads)):
+            rows = state[p + f"w{x}.weight"].shape[0]
+            if rows != heads * config.head_dim:
+                raise ValueError(f"blk.{i}.attn_{x}.weight has {rows} rows but the metadata says {heads} heads of "
+                                 f"{config.head_dim}: the GGUF file is inconsistent")
         q, k = state.pop(p + "wq.weight"), state.pop(p + "wk.weight")
         if arch == "llama":
             q, k = unpermute(q, config.n_head), unpermute(k, config.n_local_heads)
@@ -322,23 +330,31 @@ def convert_tensors(reader, config: ModelArgs, dtype=None) -> dict:
 
 
 def convert_gguf(gguf_path: Path, output_dir: Path, dtype: str = None) -> Path:
-    reader = open_gguf(gguf_path)
-    config = config_from_gguf(reader)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    state = convert_tensors(reader, config, DTYPES.get(dtype))
-    check_against_model(state, config)
+    output_dir = check_output_dir(output_dir, "--output_dir")
+    reader = open_gguf(gguf_path)
+    try:
+        config = config_from_gguf(reader)
+    except (TypeError, ArithmeticError, IndexError) as e:  # metadata of the wrong type or a zero head count
+        raise ValueError(f"{gguf_path}: inconsistent model metadata ({type(e).__name__}: {e}); download it again") from None
+    except ValueError as e:
+        raise ValueError(f"{gguf_path}: {e}") from None
+    try:
+        state = convert_tensors(reader, config, DTYPES.get(dtype))
+        check_against_model(state, config)
+    except ValueError as e:
+        raise ValueError(f"{gguf_path}: {e}") from None
     tokenizer_files = tokenizer_from_gguf(reader)
 
-    output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     out = output_dir / "model.pth"
     print(f"writing {out}", file=sys.stderr, flush=True)
     atomic_save(state, out)
-    config.to_json(output_dir / "config.json")
+    atomic_write(output_dir / "config.json", config.to_json)
     (output_dir / "chat_template.jinja").unlink(missing_ok=True)  # a stale one would override ours
     for name, content in tokenizer_files.items():
-        (output_dir / name).write_text(content)
+        atomic_write_text(output_dir / name, content)
     print(f"done: {out} ({sum(t.numel() for t in state.values()) / 1e6:.1f}M parameters)", file=sys.stderr)
     return out
 
@@ -446,18 +462,16 @@ def add_special_tokens(tok, tokens: list, types: list):
                     for t, kind in zip(tokens, types) if kind == USER_DEFINED])
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gguf", type=Path, required=True, help="the .gguf file to convert")
     p.add_argument("--output_dir", type=Path, required=True, help="checkpoint folder to write")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="store every weight in this dtype (default: float32 for quantized tensors, "
                         "the file's own dtype for F32/F16/BF16 ones)")
-    args = p.parse_args()
-    try:
+    args = p.parse_args(argv)
+    with error_boundary():
         convert_gguf(args.gguf, args.output_dir, args.dtype)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import torch
 
 if __name__ == "__main__":  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from load import atomic_save  # noqa: E402
+from errors import check_output_dir, error_boundary  # noqa: E402
+from load import atomic_save, atomic_write  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from rope import ROPE_TYPES, rope_type  # noqa: E402
 
@@ -218,11 +219,28 @@ def sliding_window_from_hf(hf: dict, model_type: str) -> tuple:
     return window, None if len(layers) == n else layers
 
 
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); download it again") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object; download it again")
+    return data
+
+
 def weight_files(source: Path) -> list:
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (source / index).is_file():
-            shards = sorted(set(json.loads((source / index).read_text())["weight_map"].values()))
-            return [source / s for s in shards]
+            weight_map = read_json(source / index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{source / index} has no weight_map; download it again")
+            shards = [source / s for s in sorted(set(weight_map.values()))]
+            missing = [s.name for s in shards if not s.is_file()]
+            if missing:
+                raise FileNotFoundError(f"{source / index} lists shards that are missing: {missing[:3]}; "
+                                        "the download is incomplete: run scripts/download.py again")
+            return shards
     for single in ("model.safetensors", "pytorch_model.bin"):
         if (source / single).is_file():
             return [source / single]
@@ -232,9 +250,18 @@ def weight_files(source: Path) -> list:
 
 def load_shard(path: Path) -> dict:
     if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
-        return load_file(str(path))
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        try:
+            return load_file(str(path))
+        except SafetensorError as e:  # truncated or not safetensors at all
+            raise ValueError(f"{path} is not a readable safetensors file ({e}); the download may be "
+                             "incomplete: run scripts/download.py again") from None
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # torch raises several types for a truncated or foreign file
+        raise ValueError(f"{path} is not a readable PyTorch file ({type(e).__name__}: {e}); the download may be "
+                         "incomplete: run scripts/download.py again") from None
 
 
 def rename(hf_name: str, weight_map: dict = WEIGHT_MAP) -> str:
@@ -302,7 +329,7 @@ def check_against_model(state: dict, config: ModelArgs):
 
 def find_source(checkpoint_dir: Path) -> Path:
     for source in (checkpoint_dir / "hf", checkpoint_dir):
-        if (source / "config.json").is_file() and "model_type" in json.loads((source / "config.json").read_text()):
+        if (source / "config.json").is_file() and "model_type" in read_json(source / "config.json"):
             return source
     raise FileNotFoundError(f"no Hugging Face config.json in {checkpoint_dir}/hf or {checkpoint_dir}; "
                             f"download one with: python scripts/download.py --repo_id ORG/NAME")
@@ -315,8 +342,15 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output_dir: Path = None) -> Path
     if source.resolve() == output_dir.resolve():
         raise ValueError(f"{source} holds the HF files, whose config.json would be overwritten by brisk's; "
                          f"move them into {source / 'hf'} or pass --output_dir")
-    hf_config = json.loads((source / "config.json").read_text())
-    config = config_from_hf(hf_config)
+    check_output_dir(output_dir, "--output_dir")
+    hf_config = read_json(source / "config.json")
+    try:
+        config = config_from_hf(hf_config)
+    except KeyError as e:
+        raise ValueError(f"{source / 'config.json'} lacks {e}, which {hf_config.get('model_type')} models "
+                         "need; download the model's config.json again") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source / 'config.json'}: {e}; download the model's config.json again") from None
     files = weight_files(source)
     hf_state = {}
     for k, path in enumerate(files, 1):
@@ -329,7 +363,7 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output_dir: Path = None) -> Path
     out = output_dir / "model.pth"
     print(f"writing {out}", file=sys.stderr, flush=True)
     atomic_save(state, out)
-    config.to_json(output_dir / "config.json")
+    atomic_write(output_dir / "config.json", config.to_json)
     copy_tokenizer(source, output_dir)
     print(f"done: {out} ({sum(t.numel() for t in state.values()) / 1e6:.1f}M parameters)", file=sys.stderr)
     return out
@@ -338,27 +372,25 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output_dir: Path = None) -> Path
 def copy_tokenizer(source: Path, output_dir: Path):
     found = [name for name in TOKENIZER_FILES if (source / name).is_file()]
     for name in found:
-        shutil.copyfile(source / name, output_dir / name)
+        atomic_write(output_dir / name, lambda tmp: shutil.copyfile(source / name, tmp))
     # Meta's LLaMA 3 repos keep the tiktoken file under original/.
     if "tokenizer.json" not in found and "tokenizer.model" not in found:
         meta = source / "original" / "tokenizer.model"
         if meta.is_file():
-            shutil.copyfile(meta, output_dir / "tokenizer.model")
+            atomic_write(output_dir / "tokenizer.model", lambda tmp: shutil.copyfile(meta, tmp))
         else:
             print(f"warning: no tokenizer.json or tokenizer.model in {source}; generate.py will need one",
                   file=sys.stderr)
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint_dir", type=Path, required=True,
                    help="folder holding the HF files (or their hf/ subfolder)")
     p.add_argument("--output_dir", type=Path, default=None, help="where to write (default: --checkpoint_dir)")
-    args = p.parse_args()
-    try:
+    args = p.parse_args(argv)
+    with error_boundary():
         convert_hf_checkpoint(args.checkpoint_dir, args.output_dir)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

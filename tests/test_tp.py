@@ -45,10 +45,11 @@ def save_random_moe(root: Path) -> Path:
     return root / "model.pth"
 
 
-def save_byte_tokenizer(root: Path):
-    """A 256-token byte-level tokenizer.json (no merges): enough for generate.py on a vocab-256 model."""
+def save_byte_tokenizer(root: Path, size: int = 256):
+    """A byte-level tokenizer.json (no merges) of the first `size` byte symbols: enough for ASCII text
+    on a vocab-256 model (size 255 for the odd-vocab one: a tokenizer larger than its model is refused)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet())[:size])}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -170,7 +171,7 @@ def test_speculative_under_torchrun(checkpoints, capsys):
 def test_eval_perplexity_under_torchrun(checkpoints, tmp_path, capsys):
     """eval.py under torchrun: the single-process perplexity, printed once, the JSON written once."""
     path = checkpoints["llama_odd_vocab"]
-    save_byte_tokenizer(path.parent)
+    save_byte_tokenizer(path.parent, size=255)
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
     args = ["--checkpoint_path", str(path), "--perplexity", str(text), "--max_seq_length", "64", "--device", "cpu"]
