@@ -23,15 +23,14 @@ def compile_step(fn: Callable, device: str) -> Callable:
     inductor_config.fx_graph_cache = True  # warm runs skip most of the compile time
     if device.startswith("cuda"):
         return torch.compile(fn, mode="reduce-overhead", fullgraph=True)
-    compiled = torch.compile(fn, fullgraph=True)
     if device != "cpu":
-        return compiled
-    steps = weakref.WeakKeyDictionary()  # model -> its compiled step, chosen at its first call
+        return torch.compile(fn, fullgraph=True)
+    steps = weakref.WeakKeyDictionary()  # model -> its frozen step: the weights are part of the graph
 
     def step(model, *args, **kwargs):
         f = steps.get(model)
         if f is None:
-            f = steps[model] = frozen_step(fn, model) if freezable(model) else compiled
+            f = steps[model] = frozen_step(fn, model)
         return f(model, *args, **kwargs)
     return step
 
@@ -111,9 +110,3 @@ def kernel_options(model) -> dict:
         return {}
     backends = set().union(*(h.get("gemm_backends", ()) for h in hints)) or {"CPP", "ATEN"}
     return dict(max_autotune=True, max_autotune_gemm_backends=",".join(sorted(backends)))
-
-
-def freezable(model) -> bool:
-    # Tensor-parallel shards keep the plain compiled step: frozen, the 2-rank test decoded other
-    # greedy tokens than one process.
-    return not torch.distributed.is_initialized()

@@ -154,8 +154,10 @@ def _take(t: Tensor, dim: int, rank: int, world_size: int, parts=None, pad: bool
     for p in pieces:
         assert p.shape[dim] % world_size == 0, (t.shape, dim, parts, world_size)
     chunks = [p.chunk(world_size, dim=dim)[rank] for p in pieces]
-    # A row slice stays a view (of the mmap'd checkpoint, until it moves to the device); columns are copied.
-    return (chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=dim)).contiguous()
+    # Copied, also a row slice that could stay a view: a shard that owns its storage from offset 0.
+    # (inductor's frozen GEMM template reads a weight that is a view at an offset from the wrong
+    # place; the copy is the shard's size, which the device needs anyway.)
+    return (chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=dim)).clone(memory_format=torch.contiguous_format)
 
 
 def _all_reduce_output(group):

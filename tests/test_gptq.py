@@ -158,7 +158,7 @@ def test_real_model_perplexity(default_model, tmp_path):
     text = GPL.read_text()
     (tmp_path / "calibration.txt").write_text(text[:20000])
     held_out = load_tokenizer(default_model.parent).encode(text[20000:])[:1024]
-    options = dict(calibration_file=tmp_path / "calibration.txt", calibration_limit=16, calibration_seq_length=256)
+    options = dict(calibration_file=tmp_path / "calibration.txt", calibration_limit=8, calibration_seq_length=256)
     out = default_model.parent  # beside config.json and the tokenizer; names no other test uses
     rtn = quantize.quantize_checkpoint(default_model, "int4", 64, output_path=out / "test_gptq_rtn.pth")
     gptq = quantize.quantize_checkpoint(default_model, "int4-gptq", 64, output_path=out / "test_gptq.pth", **options)
