@@ -94,7 +94,10 @@ def hf_from_default_gguf(out: Path) -> Path:
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.config.save_pretrained(tmp)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # the weights written below are plain fp32
+    config["architectures"] = [type(model).__name__]  # what llama.cpp's converter dispatches on
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(tmp)
     tied = model.config.tie_word_embeddings
     save_file({k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")},

@@ -155,6 +155,9 @@ def main():
             tools = bench.llamacpp_tools(args.llamacpp_dir)
         except FileNotFoundError as e:
             bench.log(f"skip llama.cpp: {e}")
+    import torch
+    meta = dict(cpu=bench.cpu_name(), isa=torch.backends.cpu.get_cpu_capability(), threads=args.threads,
+                torch=torch.__version__, new_tokens=args.new_tokens, prompt=PROMPT, compile=not args.eager)
     table = []
     for name in args.models.split(","):
         m = bench.resolve_model(name, args)
@@ -180,11 +183,8 @@ def main():
                 bench.log(f"{m.name} {precision} {system:12s} {B:2d} streams: {r['aggregate_tok_s']:8.1f} tok/s, "
                           f"ITL {r['itl_ms']:.1f} ms" + (f", TTFT idle {r['ttft_idle_s']:.2f} s / with 7 decoding "
                                                           f"{r['ttft_busy_s']:.2f} s" if "ttft_busy_s" in r else ""))
-    import torch
-    meta = dict(cpu=bench.cpu_name(),
-                isa=torch.backends.cpu.get_cpu_capability(), threads=args.threads, torch=torch.__version__,
-                new_tokens=args.new_tokens, prompt=PROMPT, compile=not args.eager)
-    args.output.write_text(json.dumps(dict(meta=meta, results=table), indent=1) + "\n")
+            # Written after every precision: a long run that is stopped keeps what it measured.
+            args.output.write_text(json.dumps(dict(meta=meta, results=table), indent=1) + "\n")
     bench.log(f"wrote {args.output}")
     plot(table, args.output.with_suffix(".png"), meta)
 
