@@ -88,7 +88,7 @@ def kernel_options(model) -> dict:
     """Inductor's options for the products of a frozen CPU step.
 
     Modules with their own kernels declare `inductor_hints`: "gemm_backends" they need among
-    max-autotune's candidates, "autotune": False where the template computes them wrong,
+    max-autotune's candidates,
     "cpp_wrapper": False where the C++ wrapper around inductor's own kernels is slower.
     """
     hints = [m.inductor_hints for m in model.modules() if hasattr(m, "inductor_hints")]
@@ -105,8 +105,7 @@ def kernel_options(model) -> dict:
     # weight that is a view at an offset into a larger tensor (an expert of the stacked ones, run
     # on every token when a batch has more tokens than the experts allow gathering) from the
     # wrong place: mixture-of-experts steps keep freezing alone.
-    moe = any(isinstance(m, MoEFeedForward) for m in model.modules())
-    if moe or not all(h.get("autotune", True) for h in hints):
+    if any(isinstance(m, MoEFeedForward) for m in model.modules()):
         return {}
     backends = set().union(*(h.get("gemm_backends", ()) for h in hints)) or {"CPP", "ATEN"}
     return dict(max_autotune=True, max_autotune_gemm_backends=",".join(sorted(backends)))

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from compiling import compile_step, skip_guards
-from decode import sample_rows
+from decode import check_sampling, sample_rows
 from model import Transformer
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -99,12 +99,7 @@ def check_request(request: Request, max_seq_length: int, vocab_size: int):
                          f"exceeds the context of {max_seq_length} tokens; shorten the prompt or lower max_new_tokens")
     if not all(0 <= t < vocab_size for t in request.prompt):
         raise ValueError(f"the prompt holds token ids outside the vocabulary (0..{vocab_size - 1})")
-    if not (request.temperature >= 0 and request.temperature != float("inf")):
-        raise ValueError(f"temperature must be a finite number >= 0, got {request.temperature}")
-    if not 0 < request.top_p <= 1:
-        raise ValueError(f"top_p must lie in (0, 1], got {request.top_p}")
-    if request.top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0: off), got {request.top_k}")
+    check_sampling(request.temperature, request.top_k, request.top_p)
 
 
 def decode_step(model: Transformer, x: Tensor, input_pos: Tensor, kv_len: int) -> Tensor:

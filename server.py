@@ -231,12 +231,13 @@ def make_app(server: Server):
         server.requests.labels(endpoint, str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status)
 
+    def check_key(request):
+        if server.api_key is not None and request.headers.get("authorization") != f"Bearer {server.api_key}":
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key", kind="authentication_error")
+
     async def read_body(request) -> dict:
-        if server.api_key is not None:
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {server.api_key}":
-                raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                               code="invalid_api_key", kind="authentication_error")
+        check_key(request)
         if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
             raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
         data = b""
@@ -404,9 +405,7 @@ def make_app(server: Server):
 
     async def models(request):
         try:
-            if server.api_key is not None and request.headers.get("authorization") != f"Bearer {server.api_key}":
-                raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                               code="invalid_api_key", kind="authentication_error")
+            check_key(request)
         except APIError as e:
             return error_response(e, "models")
         return JSONResponse({"object": "list", "data": [{"id": server.model_name, "object": "model",
