@@ -52,55 +52,21 @@ def sample(logits: Tensor, temperature: float = 0.0, top_k: Optional[int] = None
     return torch.argmax(probs / q, dim=-1, keepdim=True), probs
 
 
-def sample_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, step: Tensor,
-                filtered: bool = True) -> Tensor:
-    """Each row with its own settings: logits [B, V], temperature / top_p [B] float, top_k [B] int
-    (0: off), seed / step [B] int -> tokens [B]. temperature 0 is argmax.
+def sample_rows(logits: Tensor, temperature: list, top_k: list, top_p: list, generators: list) -> list:
+    """Each row with its own settings: logits [B, V]; per row a temperature (0: argmax), top_k (0: off),
+    top_p (1: off) and a torch.Generator (used only by sampled rows) -> B token ids.
 
-    The random draw of a row depends only on its seed, its step and the token ids, not on the other
-    rows or on a global generator: a request samples the same tokens alone as in any batch.
-    filtered=False skips top-k / top-p (a caller that knows no row asks for them saves the sort).
+    A row draws its noise from its own generator, one draw per sampled token, never from the other
+    rows' or a global one: a request samples the same tokens alone as in any batch. Greedy rows cost
+    one argmax; only the rows that ask for top-k / top-p pay for a sort.
     """
-    logits = logits.float()
-    greedy = logits.argmax(dim=-1)
-    scaled = logits / temperature.clamp(min=1e-5)[:, None]
-    if filtered:
-        V = logits.shape[-1]
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-        k = torch.where(top_k > 0, top_k.clamp(max=V), V)
-        keep = torch.arange(V, device=logits.device) < k[:, None]
-        p = torch.softmax(sorted_logits.masked_fill(~keep, -float("inf")), dim=-1)
-        keep &= p.cumsum(dim=-1) - p < top_p[:, None]  # the smallest set whose mass reaches top_p
-        scaled = scaled.scatter(-1, order, sorted_logits.masked_fill(~keep, -float("inf")))
-    probs = torch.softmax(scaled, dim=-1)
-    sampled = torch.argmax(probs / exponential_noise(seed, step, logits.shape[-1]), dim=-1)  # exponential race
-    return torch.where(temperature > 0, sampled, greedy)
-
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _mul32(x: Tensor, c: int) -> Tensor:
-    """x * c mod 2**32 for x < 2**32, in int64 without overflow (16-bit halves of c)."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
-
-
-def _hash32(x: Tensor) -> Tensor:
-    """A well-mixed 32-bit integer hash (Wellons' lowbias32) of int64 values < 2**32."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def exponential_noise(seed: Tensor, step: Tensor, V: int) -> Tensor:
-    """[B, V] Exp(1) draws, a pure function of (seed, step, token id): counter-based randomness."""
-    s = _hash32((seed & _MASK32) ^ _hash32((seed >> 32) & _MASK32))
-    s = _hash32((s + step) & _MASK32)
-    ids = torch.arange(V, device=seed.device)
-    u = _hash32((s[:, None] + _hash32(ids)[None, :]) & _MASK32) >> 8  # 24 uniform bits
-    return -torch.log((u.float() + 0.5) / (1 << 24))
+    tokens = logits.argmax(dim=-1).tolist()
+    for row in [i for i, t in enumerate(temperature) if t > 0]:
+        probs = logits_to_probs(logits[row][None], temperature[row], top_k[row], top_p[row])[0]
+        # The exponential race: argmax(p / q), q ~ Exp(1), picks token i with probability p_i.
+        q = torch.empty_like(probs).exponential_(1, generator=generators[row])
+        tokens[row] = int(torch.argmax(probs / q))
+    return tokens
 
 
 def prefill(model: Transformer, x: Tensor, **sampling) -> Tensor:

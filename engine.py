@@ -73,11 +73,11 @@ class Result:
 class _Sequence:
     """A request in a slot: its prompt, what it generated, and how far its cache row is written."""
 
-    def __init__(self, request_id: int, request: Request, eos_ids, seed: int):
+    def __init__(self, request_id: int, request: Request, eos_ids):
         self.id, self.request = request_id, request
         self.prompt = list(request.prompt)
         self.eos = set(eos_ids)
-        self.seed = seed
+        self.generator: Optional[torch.Generator] = None  # made by the engine for a sampled request
         self.cached = 0  # positions of this sequence written into its cache row
         self.generated: list = []
         self.next_token: Optional[int] = None  # sampled, not yet in the cache
@@ -230,7 +230,9 @@ class Engine:
         if event[0] == "add":
             _, request_id, request, seed = event
             eos = self.tokenizer.eos_ids if request.eos_ids is None else request.eos_ids
-            self.live[request_id] = seq = _Sequence(request_id, request, eos, seed)
+            self.live[request_id] = seq = _Sequence(request_id, request, eos)
+            if request.temperature > 0:
+                seq.generator = torch.Generator(self.device).manual_seed(seed % 2**64)
             self.waiting.append(seq)
         elif event[0] == "abort" and event[1] in self.live:
             seq = self.live[event[1]]
@@ -307,14 +309,9 @@ class Engine:
 
     def _sample(self, seqs: list, logits: Tensor, outputs: list):
         """logits [len(seqs), V] at each sequence's last position -> its next token, and outputs."""
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=logits.device)
         reqs = [s.request for s in seqs]
-        tokens = sample_rows(logits, column([r.temperature for r in reqs], torch.float),
-                             column([r.top_k for r in reqs], torch.long), column([r.top_p for r in reqs], torch.float),
-                             column([s.seed for s in seqs], torch.long), column([len(s.generated) for s in seqs],
-                                                                                 torch.long),
-                             filtered=any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in reqs)).tolist()
+        tokens = sample_rows(logits, [r.temperature for r in reqs], [r.top_k for r in reqs], [r.top_p for r in reqs],
+                             [s.generator for s in seqs])
         want = [row for row, r in enumerate(reqs) if r.logprobs is not None]
         logprobs = torch.log_softmax(logits[want].float(), dim=-1) if want else None
         for row, (s, t) in enumerate(zip(seqs, tokens)):

@@ -163,6 +163,27 @@ def test_seeded_sampling_same_alone_and_in_a_full_batch(tiny):
     assert other_seed.token_ids != alone_out.token_ids
 
 
+def test_sample_rows_draws_from_the_filtered_distribution():
+    """Each row's tokens follow logits_to_probs of its own settings (a chi-square bound over 4000
+    draws), greedy rows take the argmax, and top-k / top-p never pick a token they removed."""
+    from decode import logits_to_probs, sample_rows
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]] * 4)
+    settings = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 2, 1.0), (1.3, 0, 0.8)]
+    temps, ks, ps = (list(s) for s in zip(*settings))
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    counts = torch.zeros(4, 5)
+    for _ in range(4000):
+        for row, token in enumerate(sample_rows(logits, temps, ks, ps, gens)):
+            counts[row, token] += 1
+    assert counts[0, 0] == 4000
+    for row in (1, 2, 3):
+        expected = 4000 * logits_to_probs(logits[row:row + 1], temps[row], ks[row], ps[row])[0]
+        assert (counts[row][expected == 0] == 0).all()
+        seen = expected > 0
+        chi2 = ((counts[row][seen] - expected[seen]) ** 2 / expected[seen]).sum()
+        assert chi2 < 20, (row, counts[row], expected)  # 4 degrees of freedom: p < 0.001
+
+
 def test_stop_strings_and_streamed_text(tiny):
     """The text ends before the first stop string; the streamed pieces add up to the final text."""
     model = tiny("llama31")
