@@ -260,8 +260,8 @@ def test_int8_checkpoint(tmp_path, tiny):
     assert [r.token_ids for r in results] == [alone(model, p, 12) for p in ps]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family,mode", [("llama31", None), ("mixtral", None), ("mixtral", "int8")])
+@pytest.mark.parametrize("family,mode", [("llama31", None), pytest.param("mixtral", None, marks=pytest.mark.slow),
+                                         pytest.param("mixtral", "int8", marks=pytest.mark.slow)])
 def test_compiled_engine_equals_eager(tiny, family, mode, tmp_path):
     """The compiled [max_batch_size, 1] step, one graph per attention-length bucket (here 256 and
     the cache's 340; no recompile as requests come and go), decodes what single-stream eager

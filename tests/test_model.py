@@ -136,8 +136,7 @@ def test_compiled_decode_follows_cache_and_batch_changes(converted):
         assert compiled.tolist() == eager.tolist(), (new_tokens, batch_size, prompt_len)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 def test_compiled_cpu_step_freezes_and_matches_eager(converted, dtype):
     """The CPU decode step really compiles with freezing (weights repacked for oneDNN / the C++ GEMM
     template; passing it as a torch.compile option alone silently did nothing) and its logits
