@@ -17,7 +17,7 @@ from model import MoEFeedForward
 
 
 def compile_step(fn: Callable, device: str) -> Callable:
-    """torch.compile a decode-sized step fn(model, ...) (a few tokens, static shapes) for `device`."""
+    """torch.compile a decode-sized step fn(model, x, ...) (x: a few tokens, static shapes) for `device`."""
     import torch._inductor.config as inductor_config
     inductor_config.coordinate_descent_tuning = device.startswith("cuda")
     inductor_config.fx_graph_cache = True  # warm runs skip most of the compile time
@@ -25,13 +25,17 @@ def compile_step(fn: Callable, device: str) -> Callable:
         return torch.compile(fn, mode="reduce-overhead", fullgraph=True)
     if device != "cpu":
         return torch.compile(fn, fullgraph=True)
-    steps = weakref.WeakKeyDictionary()  # model -> its frozen step: the weights are part of the graph
+    import torch._inductor.inductor_prims  # noqa: F401  (model.in_memory's prim)
+    # model -> {rows: its frozen step}: the weights are part of the graph, and which GEMM kernels
+    # may run depends on the products' rows (kernel_options).
+    steps = weakref.WeakKeyDictionary()
 
-    def step(model, *args, **kwargs):
-        f = steps.get(model)
+    def step(model, x, *args, **kwargs):
+        by_rows = steps.setdefault(model, {})
+        f = by_rows.get(x.numel())
         if f is None:
-            f = steps[model] = frozen_step(fn, model)
-        return f(model, *args, **kwargs)
+            f = by_rows[x.numel()] = frozen_step(fn, model, x.numel())
+        return f(model, x, *args, **kwargs)
     return step
 
 
@@ -47,14 +51,14 @@ def skip_guards(steady: bool):
     return torch.compiler.set_stance("default", skip_guard_eval_unsafe=steady)
 
 
-def frozen_step(fn: Callable, model) -> Callable:
-    """fn compiled for the CPU with the model's weights frozen.
+def frozen_step(fn: Callable, model, rows: int = 1) -> Callable:
+    """fn compiled for the CPU with the model's weights frozen, for inputs of `rows` tokens.
 
     The repacked copy stays beside the model's own weights, which eager prefill still reads.
     """
     import torch._inductor.config as inductor_config
     options = dict(freezing=True, autotune_num_choices_displayed=0,
-                   post_grad_custom_post_pass=weights_cache_key(model), **kernel_options(model))
+                   post_grad_custom_post_pass=weights_cache_key(model), **kernel_options(model, rows))
     # Dynamo reads the freezing flag while tracing, which happens inside calls (the first, and any
     # recompile): the settings hold during every call rather than globally.
     return inductor_config.patch(options)(torch.compile(fn, fullgraph=True))
@@ -84,7 +88,7 @@ def weights_cache_key(model):
     return WeightsKey()
 
 
-def kernel_options(model) -> dict:
+def kernel_options(model, rows: int = 1) -> dict:
     """Inductor's options for the products of a frozen CPU step.
 
     Modules with their own kernels declare `inductor_hints`: "gemm_backends" they need among
@@ -107,5 +111,9 @@ def kernel_options(model) -> dict:
     # wrong place: mixture-of-experts steps keep freezing alone.
     if any(isinstance(m, MoEFeedForward) for m in model.modules()):
         return {}
-    backends = set().union(*(h.get("gemm_backends", ()) for h in hints)) or {"CPP", "ATEN"}
+    # Batched rows (several streams, a speculative verify) run inductor's template alone: timing
+    # the candidates with the weights in cache picks oneDNN's products for some shapes, which are
+    # slower reading the weights from memory.
+    default = {"CPP", "ATEN"} if rows == 1 else {"CPP"}
+    backends = set().union(*(h.get("gemm_backends", ()) for h in hints)) or default
     return dict(max_autotune=True, max_autotune_gemm_backends=",".join(sorted(backends)))

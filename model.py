@@ -511,11 +511,21 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float
     """SDPA for a few query rows, written as products and sums that inductor fuses into loops over
     the cache. In a compiled CPU decode step the SDPA op's fixed cost per layer is a visible part of
     a small quantized model's step; fused, it is gone."""
+    q = in_memory(q)
     scores = (q[..., :, None, :].float() * k[..., None, :, :].float()).sum(-1) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # (B, H, rows, S)
     return (probs[..., None] * v[..., None, :, :].float()).sum(-2).to(q.dtype)
+
+
+def in_memory(x: Tensor) -> Tensor:
+    """x computed once into memory by a compiled step. Inductor otherwise recomputes a cheap
+    producer inside each loop that reads it: the query's RoPE, with its table lookup by position,
+    once per cache position in the attention scores, where that indirect load keeps the loop scalar.
+    (inductor's own prim, registered once inductor is imported: compiling.py does.)"""
+    force = getattr(torch.ops.prims, "inductor_force_stride_order", None)
+    return x if force is None else force(x, x.contiguous().stride())
 
 
 def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float) -> Tensor:
