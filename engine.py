@@ -212,10 +212,17 @@ class Engine:
             self._apply(event, outputs)
         self._admit()
         self._prefill(outputs)
-        self._decode(outputs)
+        # A prompt's first token goes out before the decode step: it would otherwise wait for it.
+        self._emit(outputs)
+        decoded = []
+        self._decode(decoded)
+        self._emit(decoded)
         for i, seq in enumerate(self.slots):
             if seq is not None and seq.finish_reason is not None:
                 self.slots[i] = None
+        return outputs + decoded
+
+    def _emit(self, outputs: list):
         for out in outputs:
             with self.lock:
                 callback = self.callbacks.get(out.request_id)
@@ -224,7 +231,6 @@ class Engine:
                     self.callbacks.pop(out.request_id, None)
             if callback is not None:
                 callback(out)
-        return outputs
 
     def _apply(self, event: tuple, outputs: list):
         if event[0] == "add":
