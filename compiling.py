@@ -96,11 +96,17 @@ def kernel_options(model, rows: int = 1) -> dict:
     "cpp_wrapper": False where the C++ wrapper around inductor's own kernels is slower.
     """
     hints = [m.inductor_hints for m in model.modules() if hasattr(m, "inductor_hints")]
-    if model.norm.weight.dtype != torch.float32:  # norm.weight has the activations' dtype
-        # bf16: oneDNN's products, without autotuning (timing the candidates with the weights in
-        # cache picks inductor's template although oneDNN is faster reading from memory). The C++
-        # wrapper calls oneDNN's ops directly instead of dispatching each from Python. Products
-        # that share their input (w1 and w3) become one over weights concatenated at freezing.
+    moe = any(isinstance(m, MoEFeedForward) for m in model.modules())
+    # bf16 (norm.weight has the activations' dtype) on a CPU with AVX-512 BF16 dot products:
+    # inductor's template, as in fp32 below (2.1x oneDNN's products at one row on an AVX-512
+    # EPYC; README, Benchmarks).
+    bf16_template = not hints and not moe and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    if model.norm.weight.dtype != torch.float32 and not bf16_template:
+        # Elsewhere bf16 runs oneDNN's products, without autotuning (timing the candidates with
+        # the weights in cache picks inductor's template although oneDNN is faster reading from
+        # memory there). The C++ wrapper calls oneDNN's ops directly instead of dispatching each
+        # from Python. Products that share their input (w1 and w3) become one over weights
+        # concatenated at freezing.
         return {"cpp.enable_concat_linear": True,
                 "cpp_wrapper": all(h.get("cpp_wrapper", True) for h in hints)}
     # fp32 needs max-autotune: oneDNN's fp32 matrix-vector product is single-threaded and
@@ -109,7 +115,7 @@ def kernel_options(model, rows: int = 1) -> dict:
     # weight that is a view at an offset into a larger tensor (an expert of the stacked ones, run
     # on every token when a batch has more tokens than the experts allow gathering) from the
     # wrong place: mixture-of-experts steps keep freezing alone.
-    if any(isinstance(m, MoEFeedForward) for m in model.modules()):
+    if moe:
         return {}
     # Batched rows (several streams, a speculative verify) run inductor's template alone: timing
     # the candidates with the weights in cache picks oneDNN's products for some shapes, which are
