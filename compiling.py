@@ -31,10 +31,10 @@ def compile_step(fn: Callable, device: str) -> Callable:
     steps = weakref.WeakKeyDictionary()
 
     def step(model, x, *args, **kwargs):
-        by_rows = steps.setdefault(model, {})
-        f = by_rows.get(x.numel())
+        rows, by_rows = x.numel(), steps.setdefault(model, {})
+        f = by_rows.get(rows)
         if f is None:
-            f = by_rows[x.numel()] = frozen_step(fn, model, x.numel())
+            f = by_rows[rows] = frozen_step(fn, model, rows)
         return f(model, x, *args, **kwargs)
     return step
 
@@ -51,7 +51,7 @@ def skip_guards(steady: bool):
     return torch.compiler.set_stance("default", skip_guard_eval_unsafe=steady)
 
 
-def frozen_step(fn: Callable, model, rows: int = 1) -> Callable:
+def frozen_step(fn: Callable, model, rows: int) -> Callable:
     """fn compiled for the CPU with the model's weights frozen, for inputs of `rows` tokens.
 
     The repacked copy stays beside the model's own weights, which eager prefill still reads.
@@ -88,7 +88,7 @@ def weights_cache_key(model):
     return WeightsKey()
 
 
-def kernel_options(model, rows: int = 1) -> dict:
+def kernel_options(model, rows: int) -> dict:
     """Inductor's options for the products of a frozen CPU step.
 
     Modules with their own kernels declare `inductor_hints`: "gemm_backends" they need among
