@@ -3,10 +3,11 @@
 
 The cache holds max_batch_size rows ("slots"). A request waits for a free slot, is prefilled into
 it, then decodes with every other active slot in one step of static shape [max_batch_size, 1]
-(the one graph `--compile` captures); when it finishes its slot is free for the next waiting
-request at once (continuous batching). Each step does at most `prefill_chunk` tokens of prefill
-beside the decode step, so a long prompt loads in chunks while the running streams keep going;
-fresh short prompts that fit the chunk together are prefilled in one padded forward.
+(the graph `--compile` captures, beside one for a prompt of any length); when it finishes its slot
+is free for the next waiting request at once (continuous batching). Each step does at most
+`prefill_chunk` tokens of prefill beside the decode step, so a long prompt loads in chunks while
+the running streams keep going; fresh short prompts that fit the chunk together are all prefilled
+in that step.
 
 A slot's cache row is never cleared: positions past what its current request wrote hold another
 request's values, and the causal mask (keys at positions <= the query's) never lets it see them.
@@ -28,7 +29,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from compiling import compile_step, skip_guards
+from compiling import compile_prefill, compile_step, skip_guards
 from decode import check_sampling, sample_rows
 from model import Transformer
 
@@ -108,6 +109,14 @@ def decode_step(model: Transformer, x: Tensor, input_pos: Tensor, kv_len: int) -
     return model(x, input_pos, kv_len=kv_len)[:, -1]
 
 
+def prefill_step(model: Transformer, x: Tensor, input_pos: Tensor, cache_rows: Tensor, logits_at: Tensor,
+                 kv_len: int, from_start: bool) -> Tensor:
+    """Prompt tokens x [B, T] at positions input_pos [B, T] into cache rows cache_rows [B] -> logits
+    [B, V] at each row's index logits_at [B] into T: the step compile_prefill compiles (one graph
+    for any number of prompts of any length from position 0)."""
+    return model(x, input_pos, from_start=from_start, cache_rows=cache_rows, logits_at=logits_at, kv_len=kv_len)[:, -1]
+
+
 def kv_bucket(positions_in_use: int, max_seq_length: int) -> int:
     """Attention reads the cache up to a power of two (>= 256) above the positions in use: a decode
     step's cost follows the longest live sequence, not the cache's size, in a few static shapes."""
@@ -127,7 +136,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.device = model.norm.weight.device
         model.setup_caches(max_batch_size, self.max_seq_length)
-        self.decode_fn = compile_step(decode_step, self.device.type) if compile else None
+        self.decode_fn = compile_step(decode_step, self.device.type) if compile else decode_step
+        self.prefill_fn = compile_prefill(prefill_step, self.device.type) if compile else prefill_step
         self.slots: list = [None] * max_batch_size  # slot -> _Sequence or None
         self.waiting: deque = deque()
         self.live: dict = {}  # request id -> _Sequence, waiting or in a slot
@@ -265,28 +275,27 @@ class Engine:
             if s.cached == 0 and max(longest, len(s.prompt)) * (len(group) + 1) <= self.prefill_chunk:
                 group.append((i, s))
                 longest = max(longest, len(s.prompt))
-        if len(group) > 1:
-            x = torch.zeros(len(group), longest, dtype=torch.long)
-            for row, (_, s) in enumerate(group):
-                x[row, :len(s.prompt)] = torch.tensor(s.prompt)
-            lengths = torch.tensor([len(s.prompt) for _, s in group], device=self.device)
-            rows = torch.tensor([i for i, _ in group], device=self.device)
-            logits = self.model(x.to(self.device), torch.arange(longest, device=self.device), from_start=True,
-                                cache_rows=rows, logits_at=lengths - 1, kv_len=longest)[:, -1]
-            for _, s in group:
-                s.cached = len(s.prompt)
-            self._sample([s for _, s in group], logits, outputs)
-            return
-        # Otherwise the next chunk of the oldest prefilling request.
-        i, s = todo[0]
-        start = s.cached
-        end = min(len(s.prompt), start + self.prefill_chunk)
-        x = torch.tensor([s.prompt[start:end]], device=self.device)
-        logits = self.model(x, torch.arange(start, end, device=self.device), last_only=True, from_start=start == 0,
-                            cache_rows=torch.tensor([i], device=self.device), kv_len=end)[:, -1]
-        s.cached = end
-        if not s.prefilling:
-            self._sample([s], logits, outputs)
+        start = 0
+        if not group:  # the next chunk of the oldest prefilling request (too long for one step)
+            group, start = todo[:1], todo[0][1].cached
+            longest = min(len(todo[0][1].prompt) - start, self.prefill_chunk)
+        ends = [min(len(s.prompt), start + longest) for _, s in group]
+        x = torch.zeros(len(group), longest, dtype=torch.long)
+        for row, ((_, s), end) in enumerate(zip(group, ends)):
+            x[row, :end - start] = torch.tensor(s.prompt[start:end])
+        input_pos = torch.arange(start, start + longest).repeat(len(group), 1)
+        rows = torch.tensor([i for i, _ in group])
+        logits_at = torch.tensor(ends) - start - 1
+        # The compiled graph takes prompts' first chunks; a one-token prompt (another graph) and
+        # the later chunks of a long one, both rare, run eagerly rather than compile more.
+        fn = self.prefill_fn if start == 0 and longest > 1 else prefill_step
+        logits = fn(self.model, *(t.to(self.device) for t in (x, input_pos, rows, logits_at)), start + longest,
+                    start == 0)
+        for (_, s), end in zip(group, ends):
+            s.cached = end
+        done = [row for row, (_, s) in enumerate(group) if not s.prefilling]
+        if done:
+            self._sample([group[row][1] for row in done], logits[done], outputs)
 
     def _decode(self, outputs: list):
         active = [s is not None and s.next_token is not None and s.finish_reason is None for s in self.slots]
@@ -306,7 +315,7 @@ class Engine:
         kv_len = kv_bucket(int(pos.max()) + 1, self.max_seq_length)
         # The graph of the last step's bucket passed its guards; a new bucket must be looked up (or compiled).
         with skip_guards(kv_len == self.last_kv_len):
-            logits = (self.decode_fn or decode_step)(self.model, tokens.to(self.device), pos.to(self.device), kv_len)
+            logits = self.decode_fn(self.model, tokens.to(self.device), pos.to(self.device), kv_len)
         self.last_kv_len = kv_len
         rows = [i for i in range(B) if active[i]]
         for i in rows:

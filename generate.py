@@ -222,7 +222,7 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
     prefill_fn, decode_fn = prefill, decode_one_token
     if compile:
         decode_fn = compile_step(decode_one_token, device)
-        prefill_fn = compile_prefill_step(prefill) if compile_prefill else prefill
+        prefill_fn = compile_prefill_step(prefill, device) if compile_prefill else prefill
     generate_fn = functools.partial(generate, prefill_fn=prefill_fn, decode_fn=decode_fn)
     accepted = None  # accepted draft tokens per verify step, when speculating
     if draft_checkpoint_path is not None or speculate_ngram is not None:
@@ -337,7 +337,7 @@ def parse_args(argv=None):
                    help="nucleus sampling: the smallest set with this mass, in (0, 1]")
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help=f"model.pth of a converted checkpoint (default: {DEFAULT_CHECKPOINT})")
-    p.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
+    p.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile (--prompts_file: also prefill)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (dynamic shapes)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,

@@ -476,8 +476,9 @@ def main(checkpoint_path: Optional[Path], host: str, port: int, api_key: Optiona
     max_seq_length = max_seq_length or min(model.config.block_size, 4096)
     engine = Engine(model, tokenizer, max_batch_size, max_seq_length, prefill_chunk, compile, seed,
                     sync=broadcast_events if dist else None)
-    # Warm up (and compile) before the first client waits: one short request through every path.
-    engine.generate([Request([tokenizer.eos_ids[0] if tokenizer.eos_ids else 0], 2, eos_ids=[])])
+    # Warm up (and compile) before the first client waits: one short request through every path
+    # (two prompt tokens: a one-token prompt skips the compiled prefill).
+    engine.generate([Request([tokenizer.eos_ids[0] if tokenizer.eos_ids else 0] * 2, 2, eos_ids=[])])
     log(f"Loaded {checkpoint_path} ({dtype}, {device}, {max_batch_size} slots of {max_seq_length} positions) "
         f"in {time.perf_counter() - t0:.2f} s")
     if dist is not None and dist.rank != 0:
@@ -508,7 +509,7 @@ def parse_args(argv=None):
                    help="positions per slot: prompt plus answer (default: the model's context, at most 4096)")
     p.add_argument("--prefill_chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
                    help="the most prompt tokens prefilled per engine step, beside the decode step")
-    p.add_argument("--compile", action="store_true", help="compile the engine's decode step (at startup)")
+    p.add_argument("--compile", action="store_true", help="compile the engine's decode and prefill steps (at startup)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
                    help="weights and activations dtype (default: bfloat16 on CUDA, float16 on MPS, float32 on CPU)")

@@ -108,7 +108,7 @@ def test_compiled_decode_equals_eager(converted):
     model = load_model(path)
     prompt = torch.tensor([9, 8, 7, 6])
     eager = generate(model, prompt, 12, temperature=0.0)
-    prefill_fn, decode_fn = compile_prefill(prefill), compile_step(decode_one_token, "cpu")
+    prefill_fn, decode_fn = compile_prefill(prefill, "cpu"), compile_step(decode_one_token, "cpu")
     torch._dynamo.reset()
     # fullgraph=True fails on a graph break; a recompile per token (e.g. on input_pos) fails here.
     with torch._dynamo.config.patch(error_on_recompile=True):
