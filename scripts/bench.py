@@ -4,7 +4,7 @@
     python scripts/bench.py --quick                          # smoke run: SmolLM2, 1 round, few tokens
     python scripts/bench.py --configs all --rounds 3         # the README run (SmolLM2 + a 1B-shaped LLaMA)
 
-Systems: brisk eager and --compile, transformers generate() (plain, and its static cache +
+Systems: brisk eager and --compile (with --compile_prefill), transformers generate() (plain, and its static cache +
 torch.compile recipe), llama.cpp's llama-bench (built by scripts/bench_llamacpp.sh; skipped with a
 line when missing), all at batch 1 on the same weights: fp32 / bf16 / int8 / int4, where llama.cpp
 runs F32 / BF16 / Q8_0 / Q4_0 GGUFs converted from the same HF weights. Every measurement runs in
@@ -268,13 +268,16 @@ def worker_brisk(spec: dict) -> dict:
     import torch
     import decode
     import load
-    from compiling import compile_step
+    from compiling import compile_prefill, compile_step
     device = spec["device"]
     precision = getattr(torch, spec["dtype"]) if spec["dtype"] else load.default_precision(device)
     model = load.load_model(spec["checkpoint"], device, precision)
     T, N = spec["prompt_tokens"], spec["new_tokens"]
     prompt = torch.tensor(synthetic_prompt(T, model.config.vocab_size), device=device)
-    fns = dict(decode_fn=compile_step(decode.decode_one_token, device)) if spec["compile"] else {}
+    fns = {}
+    if spec["compile"]:  # generate.py --compile --compile_prefill
+        fns = dict(decode_fn=compile_step(decode.decode_one_token, device),
+                   prefill_fn=compile_prefill(decode.prefill, device))
     # The cache size generate.py would use, set before the warm-up so the compiled decode fits both runs.
     model.setup_caches(max_batch_size=1, max_seq_length=T + N)
     timer = TokenTimer(lambda: load.device_sync(device))
