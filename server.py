@@ -18,7 +18,6 @@ import asyncio
 import ipaddress
 import json
 import math
-import sys
 import threading
 import time
 import uuid
@@ -487,10 +486,6 @@ def main(checkpoint_path: Optional[Path], host: str, port: int, api_key: Optiona
         return
     name = model_name or Path(checkpoint_path).parent.name
     server = Server(engine, tokenizer, name, api_key, shutdown_timeout)
-    # The engine's thread needs the GIL between the compiled step's kernels; while the event loop
-    # holds it (SSE writes), Python hands it over only after the switch interval (5 ms by default),
-    # and a step waits that long many times over. 0.5 ms: 121 -> 149 tok/s at 8 clients (README).
-    sys.setswitchinterval(0.0005)
     server.thread.start()
     log(f"Serving {name} on http://{host}:{port} (OpenAI API under /v1, chat page at /)")
     try:
