@@ -337,7 +337,8 @@ def parse_args(argv=None):
                    help="nucleus sampling: the smallest set with this mass, in (0, 1]")
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help=f"model.pth of a converted checkpoint (default: {DEFAULT_CHECKPOINT})")
-    p.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile (--prompts_file: also prefill)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decode step with torch.compile (with --prompts_file: prefill too)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (dynamic shapes)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,

@@ -509,7 +509,8 @@ def parse_args(argv=None):
                    help="positions per slot: prompt plus answer (default: the model's context, at most 4096)")
     p.add_argument("--prefill_chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
                    help="the most prompt tokens prefilled per engine step, beside the decode step")
-    p.add_argument("--compile", action="store_true", help="compile the engine's decode and prefill steps (at startup)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the engine's decode and prefill steps (at startup)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
                    help="weights and activations dtype (default: bfloat16 on CUDA, float16 on MPS, float32 on CPU)")
