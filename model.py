@@ -15,6 +15,7 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.nn import functional as F
 
 from rope import apply_rope, precompute_rope, rope_frequencies
@@ -488,7 +489,9 @@ class MoEFeedForward(nn.Module):
                 if len(token):  # CUDA's int4 kernel refuses an empty batch
                     out.index_add_(0, token, weights[token, slot, None] * self.expert(x[token], e))
             return out.reshape(shape)
-        if self.gathers and x.shape[0] * self.top_k <= E:
+        # A token count the graph does not know (a compiled prefill's unbacked batch) takes the
+        # all-experts path below, right for any count.
+        if self.gathers and guard_or_false(x.shape[0] * self.top_k <= E):
             # Compiled decode: only the selected experts' weights are read.
             w1, w3, w2 = self.expert_weights(experts)
             h = self.act(torch.einsum("nd,nkid->nki", x, w1)) * torch.einsum("nd,nkid->nki", x, w3)  # (N, k, I)
