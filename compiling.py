@@ -8,7 +8,7 @@ inductor repacks them once for its GEMM kernels, whose matrix-vector products us
 """
 import hashlib
 import weakref
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -50,14 +50,12 @@ def compile_prefill(fn: Callable, device: str) -> Callable:
     """
     if device != "cpu":
         return torch.compile(fn, fullgraph=True, dynamic=True)
-    import torch._inductor.config as inductor_config
     steps = weakref.WeakKeyDictionary()  # model -> its frozen prefill
 
     def step(model, *args, **kwargs):
         f = steps.get(model)
         if f is None:
-            options = dict(freezing=True, post_grad_custom_post_pass=weights_cache_key(model))
-            f = steps[model] = inductor_config.patch(options)(torch.compile(fn, fullgraph=True, dynamic=True))
+            f = steps[model] = frozen_step(fn, model, rows=None)
         for t in (*args, *kwargs.values()):
             if isinstance(t, torch.Tensor):
                 torch._dynamo.decorators.mark_unbacked(t, 0)
@@ -72,17 +70,20 @@ def skip_guards(steady: bool):
     return torch.compiler.set_stance("default", skip_guard_eval_unsafe=steady)
 
 
-def frozen_step(fn: Callable, model, rows: int) -> Callable:
-    """fn compiled for the CPU with the model's weights frozen, for inputs of `rows` tokens.
+def frozen_step(fn: Callable, model, rows: Optional[int]) -> Callable:
+    """fn compiled for the CPU with the model's weights frozen, for inputs of `rows` tokens, or of
+    any number (None: dynamic shapes, and inductor's default products, as its GEMM template and
+    kernel_options are for static ones).
 
-    The repacked copy stays beside the model's own weights, which eager prefill still reads.
+    The repacked copy stays beside the model's own weights, which eager paths still read.
     """
     import torch._inductor.config as inductor_config
     options = dict(freezing=True, autotune_num_choices_displayed=0,
-                   post_grad_custom_post_pass=weights_cache_key(model), **kernel_options(model, rows))
+                   post_grad_custom_post_pass=weights_cache_key(model),
+                   **(kernel_options(model, rows) if rows is not None else {}))
     # Dynamo reads the freezing flag while tracing, which happens inside calls (the first, and any
     # recompile): the settings hold during every call rather than globally.
-    return inductor_config.patch(options)(torch.compile(fn, fullgraph=True))
+    return inductor_config.patch(options)(torch.compile(fn, fullgraph=True, dynamic=True if rows is None else None))
 
 
 def weights_cache_key(model):

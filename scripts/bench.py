@@ -5,13 +5,14 @@
     python scripts/bench.py --configs all --rounds 3         # the README run (SmolLM2 + a 1B-shaped LLaMA)
 
 Systems: brisk eager and --compile (with --compile_prefill), transformers generate() (plain, and
-its static cache + torch.compile recipe), llama.cpp's llama-bench (built by scripts/bench_llamacpp.sh;
-skipped with a line when missing), all at batch 1 on the same weights: fp32 / bf16 / int8 / int4,
-where llama.cpp runs F32 / BF16 / Q8_0 / Q4_0 GGUFs converted from the same HF weights. Every measurement runs in
-its own process (clean memory and thread state) and the rounds alternate over all of them, so that
-machine noise hits every side alike; the tables keep the best round. Each round also measures the
-memory roofline (a streaming read with all threads), and each decode speed is shown as a fraction
-of it: bytes of weights read per token x tokens/s / bandwidth.
+its static cache + torch.compile recipe), llama.cpp's llama-bench (built by
+scripts/bench_llamacpp.sh; skipped with a line when missing), all at batch 1 on the same weights:
+fp32 / bf16 / int8 / int4, where llama.cpp runs F32 / BF16 / Q8_0 / Q4_0 GGUFs converted from the
+same HF weights. Every measurement runs in its own process (clean memory and thread state) and the
+rounds alternate over all of them, so that machine noise hits every side alike; the tables keep
+the best round. Each round also measures the memory roofline (a streaming read with all threads),
+and each decode speed is shown as a fraction of it: bytes of weights read per token x tokens/s /
+bandwidth.
 """
 import argparse
 import contextlib
