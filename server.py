@@ -18,6 +18,8 @@ import asyncio
 import ipaddress
 import json
 import math
+import signal
+import socket
 import threading
 import time
 import uuid
@@ -150,7 +152,7 @@ def completion_prompts(body: dict, tokenizer) -> list:
 
 
 # ---------------------------------------------------------------------------------------------
-# The server state: the engine, its thread, the metrics
+# The server state: the engine, the metrics
 
 class Server:
     def __init__(self, engine: Engine, tokenizer, model_name: str, api_key: Optional[str] = None,
@@ -159,8 +161,7 @@ class Server:
         self.engine, self.tokenizer, self.model_name, self.api_key = engine, tokenizer, model_name, api_key
         self.shutdown_s = shutdown_s
         self.created = int(time.time())
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=engine.run_forever, args=(self.stop,), name="engine", daemon=True)
+        self.stop = threading.Event()  # set when HTTP has stopped: the engine's loop ends
         r = self.registry = CollectorRegistry()
         self.requests = Counter("brisk_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("brisk_prompt_tokens", "prompt tokens prefilled", registry=r)
@@ -469,6 +470,8 @@ def main(checkpoint_path: Optional[Path], host: str, port: int, api_key: Optiona
     device = check_device(device or default_device())
     dist = maybe_init_dist(device)
     device = dist.device if dist else device
+    if dist is None or dist.rank == 0:
+        check_port(host, port)
     dtype = PRECISIONS[precision] if precision else default_precision(device)
     t0 = time.perf_counter()
     model = load_model(checkpoint_path, device, dtype, tp=dist)
@@ -486,15 +489,40 @@ def main(checkpoint_path: Optional[Path], host: str, port: int, api_key: Optiona
         return
     name = model_name or Path(checkpoint_path).parent.name
     server = Server(engine, tokenizer, name, api_key, shutdown_timeout)
-    server.thread.start()
+    http = uvicorn.Server(uvicorn.Config(make_app(server), host=host, port=port, log_level="warning",
+                                         timeout_graceful_shutdown=shutdown_timeout))
+
+    def serve():
+        try:
+            http.run()
+        finally:
+            server.stop.set()
+            engine.wakeup.set()
+
+    # HTTP gets a thread and the engine keeps this one, which loaded and compiled the model. Torch's
+    # kernels on a second thread would start a second OpenMP team: libgomp, seeing more of its
+    # threads than CPUs, then sleeps between kernels instead of spinning, and each decode step waits
+    # for its workers to wake. SIGINT / SIGTERM (delivered here) start uvicorn's graceful shutdown.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, http.handle_exit)
+    thread = threading.Thread(target=serve, name="http", daemon=True)
+    thread.start()
     log(f"Serving {name} on http://{host}:{port} (OpenAI API under /v1, chat page at /)")
-    try:
-        uvicorn.run(make_app(server), host=host, port=port, log_level="warning",
-                    timeout_graceful_shutdown=shutdown_timeout)
-    finally:
-        server.stop.set()
-        engine.wakeup.set()
-        server.thread.join()
+    engine.run_forever(server.stop)
+    thread.join()
+    if not http.started:
+        raise OSError(f"could not serve on {host}:{port} (uvicorn's error is above); pass another --port or --host")
+
+
+def check_port(host: str, port: int):
+    """Fail in a second, not after loading and compiling the model, when the address is taken."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port}: {e.strerror}; pass another --port (or stop what "
+                          "holds it)") from None
 
 
 def parse_args(argv=None):

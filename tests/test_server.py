@@ -364,6 +364,19 @@ def test_soak(checkpoint):
         stop_server(proc)
 
 
+def test_taken_port_is_a_one_line_error(checkpoint):
+    """A port another process listens on: refused in seconds, before the model loads, no traceback."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = subprocess.run([sys.executable, "server.py", "--checkpoint_path", str(checkpoint), "--port", str(port)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr and "Loaded" not in done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr
+
+
 @pytest.mark.slow
 def test_tensor_parallel_server(checkpoint, reference):
     """Under torchrun rank 0 serves and rank 1 follows its schedule: the single-process answers."""
