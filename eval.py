@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from decode import check_sampling
 from engine import Engine, Request
 from errors import check_output_file, error_boundary, finite_float, int_in, nonnegative_int, positive_int
+from kernels import pack_for_cpu
 from load import (PRECISIONS, atomic_write_text, check_device, default_device, default_precision, device_sync,
                   load_model, log, maybe_init_dist, rank0_output)
 from tokenizer import check_vocab, load_tokenizer
@@ -59,7 +60,7 @@ class Scorer:
             raise ValueError(f"--batch_size must be at least 1, got {batch_size}")
         self.model, self.tokenizer = model, tokenizer
         self.max_length, self.batch_size = max_length, batch_size
-        self.device = model.tok_embeddings.weight.device
+        self.device = model.norm.weight.device
         # Scoring takes varying lengths (dynamic shapes); generation runs through the engine.
         self.forward = torch.compile(model, dynamic=True) if compile else model
         self.compile, self.engine = compile, None
@@ -288,7 +289,7 @@ def main(checkpoint_path: Path, tasks: Optional[list], perplexity: Optional[Path
     t0 = time.perf_counter()
     # Under torchrun every rank loads its shard and runs every request (lm_eval sees one process);
     # only rank 0 prints (cli) and writes --output_json.
-    model = load_model(checkpoint_path, device, dtype, tp=dist)
+    model = pack_for_cpu(load_model(checkpoint_path, device, dtype, tp=dist))
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     check_vocab(tokenizer, model.config.vocab_size, Path(checkpoint_path).parent)
     if apply_chat_template:

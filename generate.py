@@ -18,6 +18,7 @@ from torch import Tensor
 
 import speculative
 from compiling import compile_prefill as compile_prefill_step, compile_step
+from kernels import pack_for_cpu
 from decode import check_context, check_sampling, decode_one_token, generate, prefill, trim_at_eos
 from engine import DEFAULT_PREFILL_CHUNK, Engine, Request, check_request
 from errors import SEED, check_output_file, error_boundary, finite_float, nonnegative_int, positive_int
@@ -206,7 +207,7 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
     torch.manual_seed(seed)
 
     t0 = time.perf_counter()
-    model = load_model(checkpoint_path, device, dtype, tp=dist)
+    model = pack_for_cpu(load_model(checkpoint_path, device, dtype, tp=dist))
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     check_vocab(tokenizer, model.config.vocab_size, Path(checkpoint_path).parent)
     device_sync(device)
@@ -228,7 +229,7 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
     if draft_checkpoint_path is not None or speculate_ngram is not None:
         draft = None
         if draft_checkpoint_path is not None:
-            draft = speculative.load_draft(draft_checkpoint_path, model, tokenizer, device, dtype)
+            draft = pack_for_cpu(speculative.load_draft(draft_checkpoint_path, model, tokenizer, device, dtype))
             log(f"Loaded draft {draft_checkpoint_path} ({model_bytes(draft) / 1e6:.0f} MB of weights)")
         accepted = []
         generate_fn = functools.partial(

@@ -29,6 +29,7 @@ from typing import Optional
 
 from engine import DEFAULT_PREFILL_CHUNK, Engine, Request
 from errors import SEED, error_boundary, finite_float, int_in, positive_int
+from kernels import pack_for_cpu
 from load import (DEFAULT_CHECKPOINT, PRECISIONS, check_device, default_device, default_precision, load_model, log,
                   maybe_init_dist)
 from tokenizer import load_tokenizer
@@ -474,7 +475,7 @@ def main(checkpoint_path: Optional[Path], host: str, port: int, api_key: Optiona
         check_port(host, port)
     dtype = PRECISIONS[precision] if precision else default_precision(device)
     t0 = time.perf_counter()
-    model = load_model(checkpoint_path, device, dtype, tp=dist)
+    model = pack_for_cpu(load_model(checkpoint_path, device, dtype, tp=dist))
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     max_seq_length = max_seq_length or min(model.config.block_size, 4096)
     engine = Engine(model, tokenizer, max_batch_size, max_seq_length, prefill_chunk, compile, seed,

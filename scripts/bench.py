@@ -270,9 +270,10 @@ def worker_brisk(spec: dict) -> dict:
     import decode
     import load
     from compiling import compile_prefill, compile_step
+    from kernels import pack_for_cpu
     device = spec["device"]
     precision = getattr(torch, spec["dtype"]) if spec["dtype"] else load.default_precision(device)
-    model = load.load_model(spec["checkpoint"], device, precision)
+    model = pack_for_cpu(load.load_model(spec["checkpoint"], device, precision))  # as generate.py does
     T, N = spec["prompt_tokens"], spec["new_tokens"]
     prompt = torch.tensor(synthetic_prompt(T, model.config.vocab_size), device=device)
     fns = {}
@@ -289,7 +290,7 @@ def worker_brisk(spec: dict) -> dict:
     out = decode.generate(model, prompt, N, callback=timer, **fns)
     embedding = model.tok_embeddings
     nbytes = load.model_bytes(model)
-    if getattr(model.output, "weight", None) is not embedding.weight:  # untied, or quantized (int8 table)
+    if getattr(model.output, "weight", None) is not getattr(embedding, "weight", None):  # untied, or int8 table
         nbytes -= tensor_bytes(list(embedding.parameters()) + list(embedding.buffers()))
     return dict(timer.summary(T), bytes_per_token=nbytes, tokens=out[0, T:T + 32].tolist(),
                 compile_s=warmup_s if spec["compile"] else None, activations=str(precision).removeprefix("torch."),

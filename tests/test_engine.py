@@ -260,7 +260,8 @@ def test_int8_checkpoint(tmp_path, tiny):
     assert [r.token_ids for r in results] == [alone(model, p, 12) for p in ps]
 
 
-@pytest.mark.parametrize("family,mode", [("llama31", None), pytest.param("mixtral", None, marks=pytest.mark.slow),
+@pytest.mark.parametrize("family,mode", [("llama31", None), pytest.param("llama31", "packed", marks=pytest.mark.slow),
+                                         pytest.param("mixtral", None, marks=pytest.mark.slow),
                                          pytest.param("mixtral", "int8", marks=pytest.mark.slow)])
 def test_compiled_engine_equals_eager(tiny, family, mode, tmp_path):
     """The compiled [max_batch_size, 1] step, one graph per attention-length bucket (here 256 and
@@ -268,7 +269,13 @@ def test_compiled_engine_equals_eager(tiny, family, mode, tmp_path):
     generation does."""
     from torch._dynamo.utils import counters
     model = tiny(family)
-    if mode is not None:  # a batch of 3 runs every expert on every token: the stacked experts' path
+    if mode == "packed":  # kernels.cpp's products, called from the compiled graphs
+        import kernels
+        if not kernels.best_isa():
+            pytest.skip("kernels.cpp has no code for this CPU")
+        model = kernels.pack_linears(load_model(save_and_convert(make_hf_model(family, max_position_embeddings=384),
+                                                                 tmp_path)))
+    elif mode is not None:  # a batch of 3 runs every expert on every token: the stacked experts' path
         import quantize
         hf = make_hf_model(family, max_position_embeddings=384)
         model = load_model(quantize.quantize_checkpoint(save_and_convert(hf, tmp_path), mode))
