@@ -32,9 +32,16 @@ def extension():
                 extra_cflags=["-O3", "-fopenmp"], verbose=False)
 
 
+@functools.cache
 def best_isa() -> str:
-    """"avx512", "avx2", or "" where kernels.cpp has nothing for this CPU."""
-    return extension().best_isa()
+    """"avx512", "avx2", or "" where kernels.cpp has nothing for this CPU or cannot be built
+    (no C++ compiler: the model then runs PyTorch's own products)."""
+    try:
+        return extension().best_isa()
+    except Exception as e:  # torch's loader raises several kinds for a missing or failing compiler
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        log(f"kernels.cpp could not be built ({reason}); fp32 products stay PyTorch's")
+        return ""
 
 
 @functools.cache

@@ -1,4 +1,9 @@
 """kernels.cpp's packed fp32 product against float64 matrix products and transformers' models."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -64,3 +69,16 @@ def test_hooks_move_with_the_module(isa):
     linear.register_forward_hook(lambda module, inputs, output: output * 2)
     x = torch.randn(3, 8)
     torch.testing.assert_close(kernels.PackedLinear(linear, isa)(x), linear(x))
+
+
+def test_no_compiler_means_pytorch_products(tmp_path):
+    """Without a working C++ compiler the model is left as it is, with one line saying why."""
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    code = ("import torch, kernels; from model import ModelArgs, Transformer; "
+            "m = Transformer(ModelArgs(n_layer=1, dim=32, n_head=2, vocab_size=64, intermediate_size=64)); "
+            "print(repr(kernels.best_isa()), type(kernels.pack_for_cpu(m).output).__name__)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["''", "Linear"]
+    assert "kernels.cpp could not be built" in done.stderr and "Traceback" not in done.stderr
