@@ -196,7 +196,10 @@ class Engine:
 
     def run_forever(self, stop: threading.Event, idle_s: float = 0.5):
         """A server's loop: step while there is work, wait for some while there is none, until stop
-        is set (on rank 0; the others follow until rank 0's events say stop)."""
+        is set (on rank 0; the others follow until rank 0's events say stop). On the CPU, run it on
+        the thread that loaded the model (server.py: the main one): torch's kernels on a second
+        thread start a second OpenMP team, and libgomp then sleeps between kernels (README, Many
+        streams)."""
         while True:
             if not self.has_work():
                 self.wakeup.wait(timeout=idle_s)  # with sync: a heartbeat, so idle ranks keep in touch
