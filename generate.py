@@ -18,10 +18,10 @@ from torch import Tensor
 
 import speculative
 from compiling import compile_prefill as compile_prefill_step, compile_step
-from kernels import pack_for_cpu
 from decode import check_context, check_sampling, decode_one_token, generate, prefill, trim_at_eos
 from engine import DEFAULT_PREFILL_CHUNK, Engine, Request, check_request
 from errors import SEED, check_output_file, error_boundary, finite_float, nonnegative_int, positive_int
+from kernels import pack_for_cpu
 from load import (DEFAULT_CHECKPOINT, PRECISIONS, atomic_write_text, check_device, default_device, default_precision,
                   device_sync, load_model, log, maybe_init_dist, model_bytes, rank0_output)
 from model import ModelArgs
