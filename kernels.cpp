@@ -96,13 +96,14 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   float* yp = y.data_ptr<float>();
   bool wide = isa == "avx512";
   TORCH_CHECK(wide || isa == "avx2", "linear: unknown instruction set ", isa);
+  const Tile* tiles = wide ? AVX512 : AVX2;
   int64_t rows_per_tile = wide ? 8 : 6;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) {
       int64_t columns = std::min(BLOCK, N - b * BLOCK);
       for (int64_t m = 0; m < M; m += rows_per_tile) {
         int64_t rows = std::min(rows_per_tile, M - m);
-        (wide ? AVX512 : AVX2)[rows - 1](xp + m * K, K, wp + b * K * BLOCK, yp + m * N + b * BLOCK, N, columns);
+        tiles[rows - 1](xp + m * K, K, wp + b * K * BLOCK, yp + m * N + b * BLOCK, N, columns);
       }
     }
   });

@@ -21,9 +21,6 @@ from torch import Tensor, nn
 from load import log
 from model import Transformer
 
-BLOCK = 32  # output columns per packed block (kernels.cpp)
-
-
 @functools.cache
 def extension():
     from torch.utils.cpp_extension import load
@@ -57,11 +54,11 @@ def register_fake():
 class PackedLinear(nn.Module):
     """nn.Linear over a weight packed [N / 32, K, 32] by kernels.cpp (bias, if any, added after)."""
 
-    def __init__(self, linear: nn.Linear, isa: str, packed: Optional[Tensor] = None):
+    def __init__(self, linear: nn.Linear, isa: str):
         super().__init__()
         register_fake()  # before any call, which may be inside torch.compile's tracing
         self.in_features, self.out_features, self.isa = linear.in_features, linear.out_features, isa
-        self.register_buffer("packed", extension().pack(linear.weight.detach()) if packed is None else packed)
+        self.register_buffer("packed", extension().pack(linear.weight.detach()))
         self.bias = linear.bias
         self._forward_pre_hooks, self._forward_hooks = linear._forward_pre_hooks, linear._forward_hooks  # tp.py's
 
@@ -78,7 +75,8 @@ class PackedEmbedding(nn.Module):
         self.packed = output.packed  # the same tensor: one copy
 
     def forward(self, idx: Tensor) -> Tensor:
-        return self.packed.transpose(1, 2)[idx // BLOCK, idx % BLOCK]
+        block = self.packed.shape[-1]  # output columns per packed block
+        return self.packed.transpose(1, 2)[idx // block, idx % block]
 
 
 def can_pack(model: Transformer) -> bool:
@@ -96,7 +94,7 @@ def pack_linears(model: Transformer, isa: Optional[str] = None) -> Transformer:
     """Every fp32 nn.Linear of the model -> PackedLinear (in place); isa None: the CPU's best."""
     isa = isa or best_isa()
     tied = model.output.weight is model.tok_embeddings.weight
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.float32:
                 setattr(module, child_name, PackedLinear(child, isa))

@@ -8,7 +8,8 @@
 POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models, /health,
 /metrics (Prometheus) and / (chat.html). Every request becomes engine requests (one per choice);
 the engine, on the main thread (HTTP has a thread of its own), decodes all of them together and
-hands each output to the request's asyncio queue. Under torchrun rank 0 serves HTTP and the other ranks follow its engine's schedule.
+hands each output to the request's asyncio queue. Under torchrun rank 0 serves HTTP and the other
+ranks follow its engine's schedule.
 
 HTTP is Starlette on uvicorn, server-sent events sse-starlette, metrics prometheus_client: the
 protocol work belongs to those libraries; this file maps the OpenAI API onto the engine.
