@@ -1,121 +1,419 @@
 // Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
-// A product for a few rows that streams each weight once: y[M, N] = x[M, K] @ W[N, K]^T, fp32.
+// Products for a few rows that stream each weight once: y[M, N] = x[M, K] @ W[N, K]^T, x and y fp32,
+// W fp32, int8 (one scale per output column) or int4 (a scale and a zero per group of input columns).
 //
-// W is packed once as [N / 32, K, 32] (N padded with zero rows): the 32 output columns of a block
-// are one contiguous stream, read once from memory for all M rows (up to 8 at a time from
-// registers, further rows from the cache). Each step of k broadcasts x[m, k] into a vector and
-// adds it times W[k, 32 columns] into the row's accumulators: no horizontal sums, no repacking of x.
+// W is packed once (kernels.py) as [N / 32, K, 32] (N padded with zero rows): the 32 output columns
+// of a block are one contiguous stream, read once from memory for all M rows (up to 8 at a time from
+// registers, further rows from the cache). Each step of k turns W[k, 32 columns] into fp32 vectors,
+// broadcasts x[m, k] and adds their product into the row's accumulators: no horizontal sums, no
+// repacking of x. Quantized weights are scaled per block of the sum, not per weight: int8 once at
+// the end, int4 once per group, where sum_k x (q - 8) s + x z = s * sum_k x q + (z - 8 s) * sum_k x.
 // Blocks are split between torch's threads. Built at first use by kernels.py; the instruction set
 // is picked at run time (functions compiled per target, chosen by what the CPU reports).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-constexpr int64_t BLOCK = 32;
+#include <cstring>
+#include <type_traits>
 
-// AVX-512: a block is two vectors; 8 rows x 2 vectors = 16 accumulators of the 32 registers.
-template <int ROWS>
-__attribute__((target("avx512f"))) static void tile_avx512(const float* x, int64_t K, const float* w, float* y,
-                                                           int64_t ldy, int64_t columns) {
-  __m512 acc[ROWS][2];
-  for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k++) {
-    __m512 w0 = _mm512_loadu_ps(w + k * BLOCK), w1 = _mm512_loadu_ps(w + k * BLOCK + 16);
-    for (int m = 0; m < ROWS; m++) {
-      __m512 xk = _mm512_set1_ps(x[m * K + k]);
-      acc[m][0] = _mm512_fmadd_ps(xk, w0, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(xk, w1, acc[m][1]);
+constexpr int64_t BLOCK = 32;
+#define AVX512 __attribute__((target("avx512f")))
+#define AVX2 __attribute__((target("avx2,fma")))
+
+AVX512 static inline __m512 bf16x16(const uint16_t* p) {  // 16 bf16 -> fp32 (bf16 is fp32's top half)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+AVX2 static inline __m256 bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// Each format gives the fp32 weights of block row k (AVX-512: all 32 columns; AVX2: the 16 from
+// `half`), how many k share a scale (`group`), and how a group's sums go into the output.
+struct F32 {
+  const float* w;
+  int64_t group;  // K: one group
+  AVX512 void get(int64_t k, __m512& a, __m512& b) const {
+    a = _mm512_loadu_ps(w + k * BLOCK), b = _mm512_loadu_ps(w + k * BLOCK + 16);
+  }
+  AVX2 void get(int64_t k, int64_t half, __m256& a, __m256& b) const {
+    a = _mm256_loadu_ps(w + k * BLOCK + half), b = _mm256_loadu_ps(w + k * BLOCK + half + 8);
+  }
+  AVX512 __m512 scale512(int64_t g, int64_t c) const { return _mm512_set1_ps(1.f); }
+  AVX2 __m256 scale256(int64_t g, int64_t c) const { return _mm256_set1_ps(1.f); }
+};
+
+struct Int8 {
+  const int8_t* w;
+  const float* scales;  // the block's 32
+  int64_t group;
+  AVX512 void get(int64_t k, __m512& a, __m512& b) const {
+    __m256i q = _mm256_loadu_si256((const __m256i*)(w + k * BLOCK));
+    a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+    b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+  }
+  AVX2 void get(int64_t k, int64_t half, __m256& a, __m256& b) const {
+    __m128i q = _mm_loadu_si128((const __m128i*)(w + k * BLOCK + half));
+    a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+    b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q)));
+  }
+  AVX512 __m512 scale512(int64_t g, int64_t c) const { return _mm512_loadu_ps(scales + c); }
+  AVX2 __m256 scale256(int64_t g, int64_t c) const { return _mm256_loadu_ps(scales + c); }
+};
+
+// int4: 16 bytes per block row, byte j holding column j (low nibble) and column j + 16 (high).
+struct Int4 {
+  const uint8_t* w;
+  const uint16_t* sz;  // bf16 [groups, 2, 32]: the block's scales, then its zeros, per group
+  const float* xsum;   // sum of x over each group, [rows, groups]
+  int64_t group, groups;
+  AVX512 void get(int64_t k, __m512& a, __m512& b) const {
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w + k * BLOCK / 2)));
+    a = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
+    b = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+  }
+  AVX2 void get(int64_t k, int64_t half, __m256& a, __m256& b) const {
+    const uint8_t* p = w + k * BLOCK / 2;
+    __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+    __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+    if (half == 0) {
+      a = _mm256_cvtepi32_ps(_mm256_and_si256(lo, _mm256_set1_epi32(15)));
+      b = _mm256_cvtepi32_ps(_mm256_and_si256(hi, _mm256_set1_epi32(15)));
+    } else {
+      a = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
+      b = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
     }
   }
-  __mmask16 lo = columns >= 16 ? 0xffff : (1u << columns) - 1;
-  __mmask16 hi = columns >= 32 ? 0xffff : columns <= 16 ? 0 : (1u << (columns - 16)) - 1;
-  for (int m = 0; m < ROWS; m++) {
-    _mm512_mask_storeu_ps(y + m * ldy, lo, acc[m][0]);
-    _mm512_mask_storeu_ps(y + m * ldy + 16, hi, acc[m][1]);
+  AVX512 __m512 scale512(int64_t g, int64_t c) const { return bf16x16(sz + g * 2 * BLOCK + c); }
+  AVX2 __m256 scale256(int64_t g, int64_t c) const { return bf16x8(sz + g * 2 * BLOCK + c); }
+  AVX512 __m512 offset512(int64_t g, int64_t c) const {  // z - 8 s
+    return _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale512(g, c), bf16x16(sz + g * 2 * BLOCK + BLOCK + c));
+  }
+  AVX2 __m256 offset256(int64_t g, int64_t c) const {
+    return _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scale256(g, c), bf16x8(sz + g * 2 * BLOCK + BLOCK + c));
+  }
+};
+
+// out[m, c] += scale[c] * acc[m, c] (+ offset[c] * sum of row m's x over the group, int4)
+template <int ROWS, class W>
+AVX512 static inline void add_group(const W& w, int64_t g, __m512 (&acc)[ROWS][2], float (*out)[BLOCK]) {
+  for (int j = 0; j < 2; j++) {
+    __m512 s = w.scale512(g, 16 * j);
+    for (int m = 0; m < ROWS; m++) {
+      __m512 o = _mm512_fmadd_ps(acc[m][j], s, _mm512_loadu_ps(out[m] + 16 * j));
+      if constexpr (std::is_same_v<W, Int4>)
+        o = _mm512_fmadd_ps(w.offset512(g, 16 * j), _mm512_set1_ps(w.xsum[m * w.groups + g]), o);
+      _mm512_storeu_ps(out[m] + 16 * j, o);
+    }
+  }
+}
+
+template <int ROWS, class W>
+AVX2 static inline void add_group(const W& w, int64_t g, int64_t half, __m256 (&acc)[ROWS][2],
+                                  float (*out)[BLOCK]) {
+  for (int j = 0; j < 2; j++) {
+    int64_t c = half + 8 * j;
+    __m256 s = w.scale256(g, c);
+    for (int m = 0; m < ROWS; m++) {
+      __m256 o = _mm256_fmadd_ps(acc[m][j], s, _mm256_loadu_ps(out[m] + c));
+      if constexpr (std::is_same_v<W, Int4>)
+        o = _mm256_fmadd_ps(w.offset256(g, c), _mm256_set1_ps(w.xsum[m * w.groups + g]), o);
+      _mm256_storeu_ps(out[m] + c, o);
+    }
+  }
+}
+
+// AVX-512: a block is two vectors; 8 rows x 2 vectors = 16 accumulators of the 32 registers.
+template <int ROWS, class W>
+AVX512 static void tile_avx512(const float* x, int64_t K, const W& w, float (*out)[BLOCK]) {
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += w.group, g++) {
+    __m512 acc[ROWS][2];
+    for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t k = k0, k1 = std::min(K, k0 + w.group); k < k1; k++) {
+      __m512 w0, w1;
+      w.get(k, w0, w1);
+      for (int m = 0; m < ROWS; m++) {
+        __m512 xk = _mm512_set1_ps(x[m * K + k]);
+        acc[m][0] = _mm512_fmadd_ps(xk, w0, acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(xk, w1, acc[m][1]);
+      }
+    }
+    add_group<ROWS>(w, g, acc, out);
   }
 }
 
 // AVX2: 16 registers, so half a block (two vectors) at a time for up to 6 rows: 12 accumulators.
-template <int ROWS>
-__attribute__((target("avx2,fma"))) static void tile_avx2(const float* x, int64_t K, const float* w, float* y,
-                                                          int64_t ldy, int64_t columns) {
+template <int ROWS, class W>
+AVX2 static void tile_avx2(const float* x, int64_t K, const W& w, float (*out)[BLOCK]) {
   for (int64_t half = 0; half < BLOCK; half += 16) {
-    if (half >= columns) break;
-    __m256 acc[ROWS][2];
-    for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-      __m256 w0 = _mm256_loadu_ps(w + k * BLOCK + half), w1 = _mm256_loadu_ps(w + k * BLOCK + half + 8);
-      for (int m = 0; m < ROWS; m++) {
-        __m256 xk = _mm256_broadcast_ss(x + m * K + k);
-        acc[m][0] = _mm256_fmadd_ps(xk, w0, acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(xk, w1, acc[m][1]);
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += w.group, g++) {
+      __m256 acc[ROWS][2];
+      for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+      for (int64_t k = k0, k1 = std::min(K, k0 + w.group); k < k1; k++) {
+        __m256 w0, w1;
+        w.get(k, half, w0, w1);
+        for (int m = 0; m < ROWS; m++) {
+          __m256 xk = _mm256_broadcast_ss(x + m * K + k);
+          acc[m][0] = _mm256_fmadd_ps(xk, w0, acc[m][0]);
+          acc[m][1] = _mm256_fmadd_ps(xk, w1, acc[m][1]);
+        }
       }
-    }
-    alignas(32) float out[16];
-    int64_t n = std::min<int64_t>(16, columns - half);
-    for (int m = 0; m < ROWS; m++) {
-      _mm256_store_ps(out, acc[m][0]);
-      _mm256_store_ps(out + 8, acc[m][1]);
-      std::copy(out, out + n, y + m * ldy + half);
+      add_group<ROWS>(w, g, half, acc, out);
     }
   }
 }
 
-using Tile = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t);
-static const Tile AVX512[] = {tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>,
-                              tile_avx512<5>, tile_avx512<6>, tile_avx512<7>, tile_avx512<8>};
-static const Tile AVX2[] = {tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>, tile_avx2<5>, tile_avx2<6>};
+// int8 / int4 with integer dot products (AVX-512 VNNI): each row of x is rounded to int8 per 32
+// input columns (a scale d each, as llama.cpp's Q8_0), and vpdpbusd adds 4 products of unsigned
+// weight bytes and signed x bytes per lane: 4x the work of an fp32 FMA per instruction, no
+// conversion of the weights. The weights are packed [N / 32, K / 4, 32, 4]: the 4 consecutive k
+// of a column in one 32-bit lane. int8 weights are stored + 128 (unsigned), so sum (w + 128) q =
+// sum w q + 128 sum q, and sum q is known per row and block; int4 codes are unsigned already.
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
-// "avx512", "avx2" or "" (neither: kernels.py does not pack then).
+struct QuantizedRows {  // x [M, K] -> q int8 [M, Kp] (Kp: K padded to 32), per 32 columns: d and sum q
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sum;
+};
+
+VNNI static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp) {
+  int64_t nb = Kp / BLOCK;
+  QuantizedRows r{std::vector<int8_t>(M * Kp), std::vector<float>(M * nb), std::vector<int32_t>(M * nb)};
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t b = 0; b < nb; b++) {
+      int64_t k0 = b * BLOCK, n = std::max<int64_t>(0, std::min(BLOCK, K - k0));
+      __mmask16 lo = n >= 16 ? 0xffff : (1u << n) - 1, hi = n >= 32 ? 0xffff : n <= 16 ? 0 : (1u << (n - 16)) - 1;
+      __m512 v0 = _mm512_maskz_loadu_ps(lo, x + m * K + k0), v1 = _mm512_maskz_loadu_ps(hi, x + m * K + k0 + 16);
+      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      float d = amax / 127.f, inv = amax > 0 ? 127.f / amax : 0.f;
+      __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));  // round to nearest even
+      __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+      _mm_storeu_si128((__m128i*)(r.q.data() + m * Kp + k0), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128((__m128i*)(r.q.data() + m * Kp + k0 + 16), _mm512_cvtepi32_epi8(q1));
+      r.d[m * nb + b] = d;
+      r.sum[m * nb + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+  }
+  return r;
+}
+
+// Up to 4 rows: 8 integer and 8 float accumulators. INT4: 64 bytes per k-quad (columns j and
+// j + 16 in a byte's nibbles), a scale and zero per `group`; int8: 128 bytes, one scale at the end.
+template <int ROWS, bool INT4>
+VNNI static void tile_vnni(const QuantizedRows& x, int64_t m0, int64_t Kp, const uint8_t* w, const float* scales,
+                           const uint16_t* sz, const float* xsum, int64_t group, float (*out)[BLOCK]) {
+  int64_t nb = Kp / BLOCK, groups = Kp / group;
+  const int32_t* xq = reinterpret_cast<const int32_t*>(x.q.data()) + m0 * Kp / 4;
+  __m512 fa[ROWS][2];
+  for (int m = 0; m < ROWS; m++) fa[m][0] = fa[m][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    __m512i ia[ROWS][2];
+    for (int m = 0; m < ROWS; m++) ia[m][0] = ia[m][1] = _mm512_setzero_si512();
+    for (int64_t kq = b * BLOCK / 4; kq < (b + 1) * BLOCK / 4; kq++) {
+      __m512i w0, w1;
+      if constexpr (INT4) {
+        __m512i v = _mm512_loadu_si512(w + kq * 64), low = _mm512_set1_epi8(15);
+        w0 = _mm512_and_si512(v, low), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      } else {
+        w0 = _mm512_loadu_si512(w + kq * 128), w1 = _mm512_loadu_si512(w + kq * 128 + 64);
+      }
+      for (int m = 0; m < ROWS; m++) {
+        __m512i xb = _mm512_set1_epi32(xq[m * Kp / 4 + kq]);
+        ia[m][0] = _mm512_dpbusd_epi32(ia[m][0], w0, xb);
+        ia[m][1] = _mm512_dpbusd_epi32(ia[m][1], w1, xb);
+      }
+    }
+    if constexpr (INT4) {  // out += d s sum q x, and at a group's end (z - 8 s) sum x
+      Int4 f{nullptr, sz, nullptr, group, groups};
+      int64_t g = b * BLOCK / group;
+      __m512 s[2] = {f.scale512(g, 0), f.scale512(g, 16)};
+      for (int m = 0; m < ROWS; m++) {
+        __m512 d = _mm512_set1_ps(x.d[(m0 + m) * nb + b]);
+        for (int j = 0; j < 2; j++)
+          fa[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m][j]), _mm512_mul_ps(d, s[j]), fa[m][j]);
+      }
+      if ((b + 1) * BLOCK % group == 0) {
+        __m512 offset[2] = {f.offset512(g, 0), f.offset512(g, 16)};
+        for (int m = 0; m < ROWS; m++) {
+          __m512 xs = _mm512_set1_ps(xsum[(m0 + m) * groups + g]);
+          for (int j = 0; j < 2; j++) fa[m][j] = _mm512_fmadd_ps(offset[j], xs, fa[m][j]);
+        }
+      }
+    } else {  // sum w q = sum (w + 128) q - 128 sum q, times d
+      for (int m = 0; m < ROWS; m++) {
+        __m512 d = _mm512_set1_ps(x.d[(m0 + m) * nb + b]);
+        __m512i shift = _mm512_set1_epi32(128 * x.sum[(m0 + m) * nb + b]);
+        for (int j = 0; j < 2; j++)
+          fa[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ia[m][j], shift)), d, fa[m][j]);
+      }
+    }
+  }
+  if constexpr (INT4) {
+    for (int m = 0; m < ROWS; m++)
+      for (int j = 0; j < 2; j++) _mm512_storeu_ps(out[m] + 16 * j, fa[m][j]);
+  } else {
+    add_group<ROWS>(Int8{nullptr, scales, Kp}, 0, fa, out);
+  }
+}
+
+// "avx512vnni", "avx512", "avx2" or "" (none: kernels.py does not pack then).
 std::string best_isa() {
   __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vnni"))
+    return "avx512vnni";
   if (__builtin_cpu_supports("avx512f")) return "avx512";
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
   return "";
 }
 
-torch::Tensor pack(const torch::Tensor& w) {  // [N, K] -> [ceil(N / 32), K, 32]
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat, "pack: a 2-D float32 weight");
-  int64_t N = w.size(0), K = w.size(1), blocks = (N + BLOCK - 1) / BLOCK;
-  auto padded = torch::zeros({blocks * BLOCK, K}, w.options());
-  padded.narrow(0, 0, N).copy_(w);
-  return padded.view({blocks, BLOCK, K}).transpose(1, 2).contiguous();
+template <int R, int MAX, class F>
+static void with_rows(int64_t rows, F&& f) {  // f(std::integral_constant<int, rows>)
+  if constexpr (R < MAX) {
+    if (rows != R) return with_rows<R + 1, MAX>(rows, f);
+  }
+  f(std::integral_constant<int, R>{});
 }
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, c10::string_view isa) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && packed.scalar_type() == torch::kFloat, "linear: float32 only");
-  int64_t K = x.size(-1), blocks = packed.size(0);
-  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K && packed.size(2) == BLOCK && blocks * BLOCK >= N,
-              "linear: packed weight of another shape");
-  auto x2 = x.reshape({-1, K}).contiguous();
-  int64_t M = x2.size(0);
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  auto y = torch::empty(shape, x.options());
-  const float *xp = x2.data_ptr<float>(), *wp = packed.data_ptr<float>();
+// y [M, N] over blocks of 32 output columns split between threads, each in tiles of up to
+// rows_per_tile rows of x: tile(b, m, rows, out) writes rows m.. of block b into out.
+template <class Tile>
+static torch::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t rows_per_tile, const torch::Tensor& like,
+                         Tile tile) {
+  auto y = torch::empty({M, N}, like.options());
   float* yp = y.data_ptr<float>();
-  bool wide = isa == "avx512";
-  TORCH_CHECK(wide || isa == "avx2", "linear: unknown instruction set ", isa);
-  const Tile* tiles = wide ? AVX512 : AVX2;
-  int64_t rows_per_tile = wide ? 8 : 6;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float out[8][BLOCK];
     for (int64_t b = b0; b < b1; b++) {
       int64_t columns = std::min(BLOCK, N - b * BLOCK);
       for (int64_t m = 0; m < M; m += rows_per_tile) {
         int64_t rows = std::min(rows_per_tile, M - m);
-        tiles[rows - 1](xp + m * K, K, wp + b * K * BLOCK, yp + m * N + b * BLOCK, N, columns);
+        std::memset(out, 0, sizeof(out));
+        tile(b, m, rows, out);
+        for (int64_t r = 0; r < rows; r++) std::memcpy(yp + (m + r) * N + b * BLOCK, out[r], columns * sizeof(float));
       }
     }
   });
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("best_isa", &best_isa);
-  m.def("pack", &pack);
+// The fp32-FMA tiles for a weight format W (`format(b, m)`: block b's, for rows from m).
+template <class Format>
+static torch::Tensor run_fma(const torch::Tensor& x2, int64_t N, int64_t blocks, c10::string_view isa,
+                             Format format) {
+  bool wide = isa == "avx512" || isa == "avx512vnni";
+  TORCH_CHECK(wide || isa == "avx2", "kernels: unknown instruction set ", isa);
+  int64_t K = x2.size(1);
+  const float* xp = x2.data_ptr<float>();
+  return run(x2.size(0), N, blocks, wide ? 8 : 6, x2, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+    auto w = format(b, m);
+    if (wide)
+      with_rows<1, 8>(rows, [&](auto R) { tile_avx512<decltype(R)::value>(xp + m * K, K, w, out); });
+    else
+      with_rows<1, 6>(rows, [&](auto R) { tile_avx2<decltype(R)::value>(xp + m * K, K, w, out); });
+  });
 }
 
-// An operator of torch's own registry, so that a compiled graph calls the kernel without passing
-// through Python (kernels.py adds the shape function torch.compile traces with).
-TORCH_LIBRARY(brisk, m) { m.def("packed_linear(Tensor x, Tensor packed, int out_features, str isa) -> Tensor"); }
-TORCH_LIBRARY_IMPL(brisk, CPU, m) { m.impl("packed_linear", &linear); }
+template <bool INT4>
+static torch::Tensor run_vnni(const torch::Tensor& x2, int64_t N, int64_t blocks, int64_t Kp, const uint8_t* w,
+                              const float* scales, const uint16_t* sz, int64_t group) {
+  int64_t M = x2.size(0), K = x2.size(1), bytes = INT4 ? BLOCK / 2 : BLOCK, nb = Kp / BLOCK;
+  QuantizedRows xq = quantize_rows(x2.data_ptr<float>(), M, K, Kp);
+  // int4's zero term takes the sums of the rounded x too, so that the rounding's error is
+  // d(x) * w as for int8, not d(x) * (q s), which is off-centre by 8 s.
+  std::vector<float> xsum(INT4 ? M * (Kp / group) : 0);
+  for (int64_t m = 0; m < M && INT4; m++)
+    for (int64_t b = 0; b < nb; b++) xsum[m * (Kp / group) + b * BLOCK / group] += xq.d[m * nb + b] * xq.sum[m * nb + b];
+  return run(M, N, blocks, 4, x2, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+    with_rows<1, 4>(rows, [&](auto R) {
+      tile_vnni<decltype(R)::value, INT4>(xq, m, Kp, w + b * Kp * bytes, INT4 ? nullptr : scales + b * BLOCK,
+                                          INT4 ? sz + b * (Kp / group) * 2 * BLOCK : nullptr, xsum.data(), group, out);
+    });
+  });
+}
+
+static torch::Tensor rows_of(const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.size(-1) == K, "kernels: x must be float32 with ", K,
+              " features");
+  return x.reshape({-1, K}).contiguous();
+}
+
+static torch::Tensor shaped(const torch::Tensor& y, const torch::Tensor& x, int64_t N) {
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, c10::string_view isa) {
+  int64_t blocks = packed.size(0), K = packed.size(1);
+  TORCH_CHECK(packed.scalar_type() == torch::kFloat && packed.dim() == 3 && packed.size(2) == BLOCK &&
+              blocks * BLOCK >= N, "packed_linear: a float32 weight packed [N / 32, K, 32]");
+  auto x2 = rows_of(x, K);
+  const float* wp = packed.data_ptr<float>();
+  return shaped(run_fma(x2, N, blocks, isa, [&](int64_t b, int64_t m) { return F32{wp + b * K * BLOCK, K}; }), x, N);
+}
+
+// int8: packed int8 [N / 32, K, 32] (FMA), or uint8 [N / 32, Kp / 4, 32, 4] holding w + 128 (VNNI).
+torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, int64_t N,
+                          c10::string_view isa) {
+  bool vnni = isa == "avx512vnni";
+  int64_t blocks = packed.size(0), K = x.size(-1), Kp = vnni ? packed.size(1) * 4 : packed.size(1);
+  TORCH_CHECK(vnni ? packed.scalar_type() == torch::kByte && packed.dim() == 4 && packed.size(2) == BLOCK &&
+                         packed.size(3) == 4 && Kp == (K + BLOCK - 1) / BLOCK * BLOCK
+                   : packed.scalar_type() == torch::kChar && packed.dim() == 3 && packed.size(2) == BLOCK && Kp == K,
+              "packed_linear_int8: a weight packed for ", isa, " with ", K, " input features");
+  TORCH_CHECK(blocks * BLOCK >= N && scales.scalar_type() == torch::kFloat && scales.numel() == blocks * BLOCK &&
+              scales.is_contiguous(), "packed_linear_int8: float32 scales, one per packed column");
+  auto x2 = rows_of(x, K);
+  const float* sp = scales.data_ptr<float>();
+  if (vnni) return shaped(run_vnni<false>(x2, N, blocks, Kp, packed.data_ptr<uint8_t>(), sp, nullptr, Kp), x, N);
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  return shaped(run_fma(x2, N, blocks, isa, [&](int64_t b, int64_t m) {
+    return Int8{wp + b * K * BLOCK, sp + b * BLOCK, K};
+  }), x, N);
+}
+
+// int4: packed uint8 [N / 32, Kp, 16] (FMA) or [N / 32, Kp / 4, 16, 4] (VNNI), Kp: K padded to
+// whole groups (x may have fewer features: the padding meets no x); bf16 scales and zeros
+// [N / 32, groups, 2, 32].
+torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz, int64_t N,
+                          c10::string_view isa) {
+  bool vnni = isa == "avx512vnni";
+  int64_t blocks = packed.size(0), Kp = vnni ? packed.size(1) * 4 : packed.size(1), groups = sz.size(1),
+          K = x.size(-1);
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == (vnni ? 4 : 3) &&
+              packed.size(2) == BLOCK / 2 && (!vnni || packed.size(3) == 4) && blocks * BLOCK >= N,
+              "packed_linear_int4: a uint8 weight packed for ", isa);
+  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.dim() == 4 && sz.size(0) == blocks && sz.size(2) == 2 &&
+              sz.size(3) == BLOCK && sz.is_contiguous() && Kp % groups == 0 && Kp / groups % BLOCK == 0,
+              "packed_linear_int4: bf16 scales and zeros packed [N / 32, groups, 2, 32] of groups of 32k columns");
+  int64_t group = Kp / groups;
+  TORCH_CHECK(K <= Kp && K > Kp - group, "packed_linear_int4: x has ", K, " features for ", Kp, " packed ones");
+  auto x2 = rows_of(x, K);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
+  if (vnni) return shaped(run_vnni<true>(x2, N, blocks, Kp, wp, nullptr, sp, group), x, N);
+  std::vector<float> xs(x2.size(0) * groups);  // sum of each row's x over each group
+  const float* xp = x2.data_ptr<float>();
+  for (int64_t m = 0; m < x2.size(0); m++)
+    for (int64_t k = 0; k < K; k++) xs[m * groups + k / group] += xp[m * K + k];
+  return shaped(run_fma(x2, N, blocks, isa, [&](int64_t b, int64_t m) {
+    return Int4{wp + b * Kp * BLOCK / 2, sp + b * groups * 2 * BLOCK, xs.data() + m * groups, group, groups};
+  }), x, N);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("best_isa", &best_isa); }
+
+// Operators of torch's own registry, so that a compiled graph calls the kernels without passing
+// through Python (kernels.py adds the shape functions torch.compile traces with).
+TORCH_LIBRARY(brisk, m) {
+  m.def("packed_linear(Tensor x, Tensor packed, int out_features, str isa) -> Tensor");
+  m.def("packed_linear_int8(Tensor x, Tensor packed, Tensor scales, int out_features, str isa) -> Tensor");
+  m.def("packed_linear_int4(Tensor x, Tensor packed, Tensor scales_and_zeros, int out_features, str isa) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(brisk, CPU, m) {
+  m.impl("packed_linear", &linear);
+  m.impl("packed_linear_int8", &linear_int8);
+  m.impl("packed_linear_int4", &linear_int4);
+}

@@ -1,8 +1,11 @@
 # Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
-"""fp32 products on the CPU that read each weight once for all the rows of a step (kernels.cpp).
+"""CPU products that read each weight once for all the rows of a step (kernels.cpp): fp32, int8, int4.
 
     from kernels import pack_for_cpu
     model = pack_for_cpu(model)  # a CPU fp32 model: every nn.Linear -> PackedLinear, in place
+
+quantized.py's int8 / int4 layers pack their own weights with `pack_int8` / `pack_int4` (their
+"packed" kernel) where `best_isa()` says the CPU has one.
 
 A decode step of B streams multiplies B rows by every weight. PyTorch's products (MKL, oneDNN,
 inductor's GEMM template) are tuned for other shapes and at 8 rows take 2-4x the time it takes
@@ -12,14 +15,21 @@ one copy. The C++ is built by torch's extension loader on first use (~30 s, cach
 picks AVX-512 or AVX2 at run time.
 """
 import functools
+import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from load import log
 from model import Transformer
+
+BLOCK = 32  # output columns per packed block (kernels.cpp)
+
+
+def log(*args):
+    print(*args, file=sys.stderr, flush=True)
+
 
 @functools.cache
 def extension():
@@ -43,12 +53,63 @@ def best_isa() -> str:
 
 @functools.cache
 def register_fake():
-    """torch.ops.brisk.packed_linear (defined by kernels.cpp) with the shape function torch.compile traces."""
+    """torch.ops.brisk.packed_linear* (defined by kernels.cpp) with the shape functions torch.compile
+    traces; call it before the first call of an op, which may be inside torch.compile's tracing."""
     extension()
 
     @torch.library.register_fake("brisk::packed_linear")
     def _(x, packed, out_features, isa):
         return x.new_empty(*x.shape[:-1], out_features)
+
+    @torch.library.register_fake("brisk::packed_linear_int8")
+    def _(x, packed, scales, out_features, isa):
+        return x.new_empty(*x.shape[:-1], out_features)
+
+    @torch.library.register_fake("brisk::packed_linear_int4")
+    def _(x, packed, scales_and_zeros, out_features, isa):
+        return x.new_empty(*x.shape[:-1], out_features)
+
+
+def pack(w: Tensor, k_multiple: int = 1) -> Tensor:
+    """[N, K] -> [ceil(N / 32), K, 32] (K padded with zeros to k_multiple): each block of 32 output
+    columns one stream over k."""
+    N, K = w.shape
+    padded = torch.zeros(-(-N // BLOCK) * BLOCK, -(-K // k_multiple) * k_multiple, dtype=w.dtype)
+    padded[:N, :K] = w
+    return padded.view(-1, BLOCK, padded.shape[1]).transpose(1, 2).contiguous()
+
+
+def pack_int8(weight: Tensor, scales: Tensor, isa: str) -> tuple:
+    """quantized.py's int8 weight [N, K] and scales [N] -> (the weight packed for `isa`, fp32
+    scales [N padded to 32]). "avx512vnni": uint8 w + 128 [N / 32, Kp / 4, 32, 4] (Kp: K padded
+    to 32), the 4 k of a column in one lane of vpdpbusd; else int8 [N / 32, K, 32]."""
+    padded = torch.ones(-(-len(scales) // BLOCK) * BLOCK)
+    padded[:len(scales)] = scales.float()
+    if isa != "avx512vnni":
+        return pack(weight), padded
+    return quads(pack((weight.to(torch.int16) + 128).to(torch.uint8), k_multiple=BLOCK)), padded
+
+
+def pack_int4(codes: Tensor, scales_and_zeros: Tensor, isa: str) -> tuple:
+    """quantized.py's int4 codes [N, Kp] (0..15) and bf16 scales_and_zeros [G, N, 2] -> (uint8
+    [N / 32, Kp, 16], or [N / 32, Kp / 4, 16, 4] for "avx512vnni", holding columns j and j + 16
+    of a block in byte j's low and high nibbles; bf16 [N / 32, G, 2, 32])."""
+    q = pack(codes.to(torch.uint8))  # [blocks, Kp, 32]
+    if isa == "avx512vnni":
+        q = quads(q)  # [blocks, Kp / 4, 32, 4]
+        q = q[:, :, :BLOCK // 2] | (q[:, :, BLOCK // 2:] << 4)
+    else:
+        q = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
+    G, N, _ = scales_and_zeros.shape
+    sz = torch.zeros(G, -(-N // BLOCK) * BLOCK, 2, dtype=torch.bfloat16)
+    sz[:, :N] = scales_and_zeros
+    return q.contiguous(), sz.view(G, -1, BLOCK, 2).permute(1, 0, 3, 2).contiguous()
+
+
+def quads(packed: Tensor) -> Tensor:
+    """[blocks, K, 32] -> [blocks, K / 4, 32, 4]: a column's 4 consecutive k side by side."""
+    blocks, K, _ = packed.shape
+    return packed.view(blocks, K // 4, 4, BLOCK).transpose(2, 3).contiguous()
 
 
 class PackedLinear(nn.Module):
@@ -56,9 +117,9 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, isa: str):
         super().__init__()
-        register_fake()  # before any call, which may be inside torch.compile's tracing
+        register_fake()
         self.in_features, self.out_features, self.isa = linear.in_features, linear.out_features, isa
-        self.register_buffer("packed", extension().pack(linear.weight.detach()))
+        self.register_buffer("packed", pack(linear.weight.detach()))
         self.bias = linear.bias
         self._forward_pre_hooks, self._forward_hooks = linear._forward_pre_hooks, linear._forward_hooks  # tp.py's
 

@@ -9,9 +9,9 @@ it (never the file name): `prepare_model` swaps in empty quantized modules befor
 `finalize_model` picks each one's kernel for the device after.
 
 The file holds a device-independent layout (int8 rows; int4 as two nibbles per byte, the input
-of CUDA's packing op) that `finalize` repacks for the device's kernel: PyTorch's CPU int8/int4
-pack-mm ops, its CUDA int4 op, or a plain dequantize + F.linear where neither applies (MPS,
-shapes the kernels refuse).
+of CUDA's packing op) that `finalize` repacks for the device's kernel: kernels.cpp's on a CPU it
+has code for ("packed"), PyTorch's CPU int8/int4 pack-mm ops, its CUDA int4 op, or a plain
+dequantize + F.linear where none applies (MPS, shapes the kernels refuse).
 
 Each module also says what other files need to know about it, so they need not know its class:
 `tp_layout` (where its stored tensors keep their output and input features, for tp.py) and
@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn import functional as F
 
+import kernels
 from model import ModelArgs, MoEFeedForward, Transformer
 
 FORMAT_VERSION = 1
@@ -134,12 +135,17 @@ def int4_matmul(x: Tensor, weight: Tensor, scales_and_zeros: Tensor, groupsize: 
     return y.to(x.dtype)
 
 
-def int8_kernel(device: torch.device, in_features: int) -> str:
-    # The CPU kernel needs in_features % 16 == 0: otherwise it returns garbage or crashes.
+def int8_kernel(device: torch.device, in_features: int, packable: bool = True) -> str:
+    """packable: the layer can take kernels.cpp's packed layout (a stack of experts cannot)."""
+    if device.type == "cpu" and packable and kernels.best_isa():
+        return "packed"
+    # ATen's CPU kernel needs in_features % 16 == 0: otherwise it returns garbage or crashes.
     return "cpu" if device.type == "cpu" and in_features % 16 == 0 else "dequant"
 
 
-def int4_kernel(device: torch.device, out_features: int) -> str:
+def int4_kernel(device: torch.device, out_features: int, packable: bool = True) -> str:
+    if device.type == "cpu" and packable and kernels.best_isa():
+        return "packed"
     if device.type == "cpu" and out_features % 16 == 0:
         return "cpu"
     if device.type == "cuda" and out_features % 8 == 0 and torch.cuda.get_device_capability(device) >= (8, 0):
@@ -177,9 +183,6 @@ class Int8Linear(nn.Module):
 
     # tp.py: the (output, input) feature dims of each stored tensor; None: no such dim, kept whole.
     tp_layout = {"weight": (0, 1), "scales": (0, None), "bias": (0, None)}
-    # compiling.py: inductor's int8 template reads these faster than ATen's kernel, which
-    # max-autotune would otherwise pick; the C++ wrapper is slower around inductor's own kernels.
-    inductor_hints = {"gemm_backends": ("CPP",), "cpp_wrapper": False}
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -193,13 +196,28 @@ class Int8Linear(nn.Module):
     def finalized(self) -> bool:
         return self.kernel is not None
 
+    @property
+    def inductor_hints(self) -> dict:
+        """compiling.py: inductor's int8 template reads these faster than ATen's kernel, which
+        max-autotune would otherwise pick; the C++ wrapper is slower around inductor's own kernels."""
+        return {"cpp_wrapper": False} if self.kernel == "packed" else {"gemm_backends": ("CPP",), "cpp_wrapper": False}
+
     def finalize(self, device: torch.device, precision: torch.dtype):
         self.kernel = int8_kernel(device, self.in_features)
-        self.scales = self.scales.to(KERNEL_DTYPE if self.kernel == "cpu" else precision)
+        if self.kernel == "packed":
+            self.isa = kernels.best_isa()
+            kernels.register_fake()
+            self.weight, self.scales = kernels.pack_int8(self.weight, self.scales, self.isa)
+        else:
+            self.scales = self.scales.to(KERNEL_DTYPE if self.kernel == "cpu" else precision)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = int8_matmul(x.reshape(-1, self.in_features), self.weight, self.scales, self.kernel)
-        y = y.reshape(*x.shape[:-1], self.out_features)
+        if self.kernel == "packed":
+            y = torch.ops.brisk.packed_linear_int8(x.float(), self.weight, self.scales, self.out_features,
+                                                   self.isa).to(x.dtype)
+        else:
+            y = int8_matmul(x.reshape(-1, self.in_features), self.weight, self.scales, self.kernel)
+            y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -207,8 +225,6 @@ class Int4Linear(nn.Module):
     """y = x @ W.T + bias with W stored as 4-bit groups of `groupsize` input channels (see quantize_int4)."""
 
     tp_layout = {"weight": (0, 1), "scales_and_zeros": (1, 0), "bias": (0, None)}
-    # Some int4 shapes have no template: ATen's kernel stays a candidate.
-    inductor_hints = {"gemm_backends": ("CPP", "ATEN"), "cpp_wrapper": False}
 
     def __init__(self, in_features: int, out_features: int, bias: bool, groupsize: int, padded_in_features: int):
         super().__init__()
@@ -227,16 +243,32 @@ class Int4Linear(nn.Module):
         if side == "in":
             check_int4_split(self.in_features, self.scales_and_zeros.shape[0], self.groupsize, world_size)
 
+    @property
+    def inductor_hints(self) -> dict:
+        """Some int4 shapes have no template: ATen's kernel stays a candidate."""
+        return {"cpp_wrapper": False} if self.kernel == "packed" else {"gemm_backends": ("CPP", "ATEN"),
+                                                                       "cpp_wrapper": False}
+
     def finalize(self, device: torch.device, precision: torch.dtype):
         assert self.kernel is None, "finalize() repacks the weight: call it once"
         self.kernel = int4_kernel(device, self.out_features)
+        if self.kernel == "packed":
+            self.isa = kernels.best_isa()
+            kernels.register_fake()
+            self.weight, self.scales_and_zeros = kernels.pack_int4(unpack_int4(self.weight), self.scales_and_zeros,
+                                                                   self.isa)
+            return
         self.weight = pack_int4(self.weight, self.kernel)
         self.scales_and_zeros = self.scales_and_zeros.to(precision if self.kernel == "dequant" else KERNEL_DTYPE)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = int4_matmul(x.reshape(-1, self.in_features), self.weight, self.scales_and_zeros, self.groupsize,
-                        self.kernel)
-        y = y.reshape(*x.shape[:-1], self.out_features)
+        if self.kernel == "packed":
+            y = torch.ops.brisk.packed_linear_int4(x.float(), self.weight, self.scales_and_zeros, self.out_features,
+                                                   self.isa).to(x.dtype)
+        else:
+            y = int4_matmul(x.reshape(-1, self.in_features), self.weight, self.scales_and_zeros, self.groupsize,
+                            self.kernel)
+            y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -299,10 +331,10 @@ class QuantizedMoEFeedForward(MoEFeedForward):
         assert not self.kernels, "finalize() repacks the weights: call it once"
         for name in ("w1", "w3", "w2"):
             if self.bits == 8:
-                kernel = int8_kernel(device, getattr(self, name).shape[2])
+                kernel = int8_kernel(device, getattr(self, name).shape[2], packable=False)
                 suffix = "_scales"
             else:
-                kernel = int4_kernel(device, getattr(self, name).shape[1])
+                kernel = int4_kernel(device, getattr(self, name).shape[1], packable=False)
                 setattr(self, name, pack_int4(getattr(self, name), kernel))
                 suffix = "_scales_and_zeros"
             self.kernels[name] = kernel

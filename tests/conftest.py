@@ -52,6 +52,14 @@ FAMILIES = {
 }
 
 
+def kernel_isas() -> list:
+    """Every instruction set kernels.cpp has code for that this CPU runs (AVX-512 CPUs run AVX2's)."""
+    import kernels
+    order = ["avx512vnni", "avx512", "avx2"]
+    best = kernels.best_isa()
+    return order[order.index(best):] if best else []
+
+
 def make_hf_model(family: str, seed: int = 0, **overrides):
     import transformers
     cls_name, cfg_name, extra = FAMILIES[family]

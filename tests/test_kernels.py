@@ -1,4 +1,5 @@
-"""kernels.cpp's packed fp32 product against float64 matrix products and transformers' models."""
+"""kernels.cpp's packed products against float64 matrix products (fp32, and int8 / int4 against
+their dequantized weights) and transformers' models."""
 import os
 import subprocess
 import sys
@@ -9,19 +10,14 @@ import torch
 from torch import nn
 
 import kernels
-from conftest import make_hf_model, save_and_convert
+import quantized
+from conftest import kernel_isas, make_hf_model, save_and_convert
 from load import load_model
 
 
-def isas() -> list:
-    """Every instruction set kernels.cpp has code for that this CPU runs (AVX-512 CPUs run both)."""
-    best = kernels.best_isa()
-    return {"avx512": ["avx512", "avx2"], "avx2": ["avx2"], "": []}[best]
-
-
-@pytest.fixture(params=["avx512", "avx2"])
+@pytest.fixture(params=["avx512vnni", "avx512", "avx2"])
 def isa(request):
-    if request.param not in isas():
+    if request.param not in kernel_isas():
         pytest.skip(f"this CPU has no {request.param}")
     return request.param
 
@@ -38,6 +34,53 @@ def test_packed_linear_equals_float64_product(isa, n, k, bias):
         x = torch.randn(2, rows, k)
         expected = (x.double() @ linear.weight.double().T + (linear.bias.double() if bias else 0)).float()
         torch.testing.assert_close(packed(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def rounded_activations(x, isa):
+    """x as the VNNI kernels see it: rounded to int8 steps of max |x| / 127 per 32 columns (the
+    other kernels take x as it is)."""
+    if isa != "avx512vnni":
+        return x.double()
+    K = x.shape[-1]
+    blocks = torch.nn.functional.pad(x, (0, -K % 32)).unflatten(-1, (-1, 32))
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, 0)
+    return (torch.round(blocks * inv).double() * (amax.double() / 127)).flatten(-2)[..., :K]
+
+
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17)  # around the tiles: 4 rows (VNNI), 6 (AVX2), 8 (AVX-512)
+
+
+@pytest.mark.parametrize("n,k", [(576, 576), (100, 64), (33, 7), (1, 5), (64, 300)])
+def test_packed_int8_equals_float64_product(isa, n, k):
+    """int8 weights times their scales; with VNNI, x rounded per 32 columns as documented."""
+    torch.manual_seed(n + k)
+    m = quantized.Int8Linear(k, n, bias=True)
+    q, scales = m.weight, m.scales = quantized.quantize_int8(torch.randn(n, k))
+    m.bias = torch.randn(n)
+    m.finalize(torch.device("cpu"), torch.float32)  # packed for the best ISA: repacked for `isa`
+    assert m.kernel == "packed"
+    m.isa, (m.weight, m.scales) = isa, kernels.pack_int8(q, scales, isa)
+    deq = quantized.dequantize_int8(q, scales).double()
+    for rows in ROWS:
+        x = torch.randn(2, rows, k)
+        expected = (rounded_activations(x, isa) @ deq.T + m.bias.double()).float()
+        torch.testing.assert_close(m(x), expected, rtol=1e-5, atol=1e-4)  # |y| ~ sqrt(k)
+
+
+@pytest.mark.parametrize("n,k,groupsize", [(576, 576, 32), (100, 64, 64), (33, 7, 32), (64, 300, 128), (96, 576, 256)])
+def test_packed_int4_equals_float64_product(isa, n, k, groupsize):
+    """(q - 8) * scale + zero per group (padded past k), with VNNI times x rounded per 32 columns."""
+    torch.manual_seed(n + k)
+    w, sz = quantized.quantize_int4(torch.randn(n, k), groupsize)
+    deq = quantized.dequantize_int4(w, sz, groupsize)[:, :k].double()
+    packed, packed_sz = kernels.pack_int4(quantized.unpack_int4(w), sz, isa)
+    for rows in ROWS:
+        x = torch.randn(2, rows, k)
+        expected = (rounded_activations(x, isa) @ deq.T).float()
+        got = torch.ops.brisk.packed_linear_int4(x, packed, packed_sz, n, isa)
+        # fp32 sums of terms up to 15 s |x| (the codes are not centred): a few 1e-4 off at |y| ~ 20.
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=5e-4)
 
 
 def test_packed_embedding_reads_the_packed_rows(isa):

@@ -107,8 +107,9 @@ def test_tp_matches_single_process(name, checkpoints, tp_results):
 
 @pytest.mark.parametrize("name", ["qwen2_int8", "llama_odd_vocab_int4", "moe_int8", "moe_int4"])
 def test_tp_quantized_kernels(name, checkpoints, tp_results):
-    """With the CPU int8/int4 kernels (bf16 activations) sharded and whole agree to bf16 precision:
-    a misplaced scale or nibble would be off by the size of the logits (~5), not by ~0.05."""
+    """With the CPU int8/int4 kernels (activations rounded to bf16, or to int8 with VNNI) sharded and
+    whole agree to that precision: a misplaced scale or nibble would be off by the size of the
+    logits (~5), not by ~0.05."""
     path = checkpoints[name]
     got = tp_results[str(path)]
     torch.testing.assert_close(got["logits"], logits(load_model(path)), atol=0.15, rtol=0.02)

@@ -2,8 +2,8 @@
 
 For each checkpoint: prefill + cached-decode logits for fixed ids, a greedy generation, and a sampled
 generation from every rank (rank 0 collects them to prove the ranks agree). Quantized checkpoints
-run twice: with the device's kernels (bf16 activations on the CPU), and with every layer forced onto
-quantize's dequantize path (fp32), where the sharded model must match the whole one to fp32 precision.
+run twice: with the device's kernels (activations rounded on the CPU), and with every layer forced
+onto quantize's dequantize path (fp32), where the sharded model must match the whole one to fp32 precision.
 """
 import argparse
 import sys
@@ -35,7 +35,8 @@ def logits(model, ids=IDS, prefill_len=8):
 
 def dequant_only():
     """Every quantized layer finalized onto the dequantize + F.linear path (fp32 activations)."""
-    return patch.multiple(quantized, int8_kernel=lambda *args: "dequant", int4_kernel=lambda *args: "dequant")
+    return patch.multiple(quantized, int8_kernel=lambda *args, **kwargs: "dequant",
+                          int4_kernel=lambda *args, **kwargs: "dequant")
 
 
 def check(path, d):
