@@ -1,6 +1,7 @@
 // Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
 // Products for a few rows that stream each weight once: y[M, N] = x[M, K] @ W[N, K]^T, x and y fp32,
-// W fp32, int8 (one scale per output column) or int4 (a scale and a zero per group of input columns).
+// W fp32, int8 (one scale per output column) or int4 (a scale and a zero per group of input columns);
+// or x, W and y bf16 (fp32 sums) where the CPU has AVX-512 BF16.
 //
 // W is packed once (kernels.py) as [N / 32, K, 32] (N padded with zero rows): the 32 output columns
 // of a block are one contiguous stream, read once from memory for all M rows (up to 8 at a time from
@@ -257,6 +258,34 @@ VNNI static void tile_vnni(const QuantizedRows& x, int64_t m0, int64_t Kp, const
   }
 }
 
+// bf16 with AVX-512 BF16 dot products: vdpbf16ps adds 2 products of bf16 pairs per fp32 lane,
+// twice an fp32 FMA's work, reading the weights as they are. Packed [N / 32, K2, 32, 2] (K2: K
+// padded to even, halved): the 2 consecutive k of a column in one 32-bit lane; x is bf16 already.
+#define BF16DOT __attribute__((target("avx512f,avx512bf16")))
+
+template <int ROWS>
+BF16DOT static void tile_bf16(const uint32_t* x, int64_t K2, const uint32_t* w, float (*out)[BLOCK]) {
+  __m512 acc[ROWS][2];
+  for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; k++) {
+    __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k * BLOCK), w1 = (__m512bh)_mm512_loadu_si512(w + k * BLOCK + 16);
+    for (int m = 0; m < ROWS; m++) {
+      __m512bh xk = (__m512bh)_mm512_set1_epi32(x[m * K2 + k]);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xk);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xk);
+    }
+  }
+  for (int m = 0; m < ROWS; m++) {
+    _mm512_storeu_ps(out[m], acc[m][0]);
+    _mm512_storeu_ps(out[m] + 16, acc[m][1]);
+  }
+}
+
+bool has_bf16_dot() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+}
+
 // "avx512vnni", "avx512", "avx2" or "" (none: kernels.py does not pack then).
 std::string best_isa() {
   __builtin_cpu_init();
@@ -281,8 +310,9 @@ static void with_rows(int64_t rows, F&& f) {  // f(std::integral_constant<int, r
 template <class Tile>
 static torch::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t rows_per_tile, const torch::Tensor& like,
                          Tile tile) {
-  auto y = torch::empty({M, N}, like.options());
-  float* yp = y.data_ptr<float>();
+  auto y = torch::empty({M, N}, like.options());  // fp32, or bf16 (rounded from the fp32 sums)
+  bool bf16 = y.scalar_type() == torch::kBFloat16;
+  char* yp = static_cast<char*>(y.data_ptr());
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     alignas(64) float out[8][BLOCK];
     for (int64_t b = b0; b < b1; b++) {
@@ -291,7 +321,13 @@ static torch::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t rows_per_
         int64_t rows = std::min(rows_per_tile, M - m);
         std::memset(out, 0, sizeof(out));
         tile(b, m, rows, out);
-        for (int64_t r = 0; r < rows; r++) std::memcpy(yp + (m + r) * N + b * BLOCK, out[r], columns * sizeof(float));
+        for (int64_t r = 0; r < rows; r++) {
+          int64_t at = (m + r) * N + b * BLOCK;
+          if (bf16)
+            std::copy(out[r], out[r] + columns, reinterpret_cast<at::BFloat16*>(yp) + at);
+          else
+            std::memcpy(reinterpret_cast<float*>(yp) + at, out[r], columns * sizeof(float));
+        }
       }
     }
   });
@@ -403,7 +439,27 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
   }), x, N);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("best_isa", &best_isa); }
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
+  int64_t blocks = packed.size(0), K2 = packed.size(1), K = x.size(-1);
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 && packed.size(2) == BLOCK &&
+              packed.size(3) == 2 && blocks * BLOCK >= N && K2 == (K + 1) / 2,
+              "packed_linear_bf16: a bf16 weight packed [N / 32, K / 2, 32, 2] for ", K, " input features");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "packed_linear_bf16: x must be bf16");
+  TORCH_CHECK(has_bf16_dot(), "packed_linear_bf16: this CPU has no AVX-512 BF16");
+  auto x2 = x.reshape({-1, K});
+  x2 = K % 2 ? torch::constant_pad_nd(x2, {0, 1}) : x2.contiguous();  // whole pairs
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x2.data_ptr<at::BFloat16>());
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  auto y = run(x2.size(0), N, blocks, 8, x2, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+    with_rows<1, 8>(rows, [&](auto R) { tile_bf16<decltype(R)::value>(xp + m * K2, K2, wp + b * K2 * BLOCK, out); });
+  });
+  return shaped(y, x, N);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("best_isa", &best_isa);
+  m.def("has_bf16_dot", &has_bf16_dot);
+}
 
 // Operators of torch's own registry, so that a compiled graph calls the kernels without passing
 // through Python (kernels.py adds the shape functions torch.compile traces with).
@@ -411,9 +467,11 @@ TORCH_LIBRARY(brisk, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, str isa) -> Tensor");
   m.def("packed_linear_int8(Tensor x, Tensor packed, Tensor scales, int out_features, str isa) -> Tensor");
   m.def("packed_linear_int4(Tensor x, Tensor packed, Tensor scales_and_zeros, int out_features, str isa) -> Tensor");
+  m.def("packed_linear_bf16(Tensor x, Tensor packed, int out_features) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(brisk, CPU, m) {
   m.impl("packed_linear", &linear);
   m.impl("packed_linear_int8", &linear_int8);
   m.impl("packed_linear_int4", &linear_int4);
+  m.impl("packed_linear_bf16", &linear_bf16);
 }

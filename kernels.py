@@ -1,8 +1,8 @@
 # Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
-"""CPU products that read each weight once for all the rows of a step (kernels.cpp): fp32, int8, int4.
+"""CPU products that read each weight once for all the rows of a step (kernels.cpp): fp32, bf16, int8, int4.
 
     from kernels import pack_for_cpu
-    model = pack_for_cpu(model)  # a CPU fp32 model: every nn.Linear -> PackedLinear, in place
+    model = pack_for_cpu(model)  # a CPU fp32 (or bf16) model: every nn.Linear -> PackedLinear, in place
 
 quantized.py's int8 / int4 layers pack their own weights with `pack_int8` / `pack_int4` (their
 "packed" kernel) where `best_isa()` says the CPU has one.
@@ -52,6 +52,13 @@ def best_isa() -> str:
 
 
 @functools.cache
+def bf16_dot() -> bool:
+    """Whether kernels.cpp's bf16 product runs here (AVX-512 BF16); elsewhere bf16 models keep
+    PyTorch's products (oneDNN's)."""
+    return best_isa() != "" and extension().has_bf16_dot()
+
+
+@functools.cache
 def register_fake():
     """torch.ops.brisk.packed_linear* (defined by kernels.cpp) with the shape functions torch.compile
     traces; call it before the first call of an op, which may be inside torch.compile's tracing."""
@@ -67,6 +74,10 @@ def register_fake():
 
     @torch.library.register_fake("brisk::packed_linear_int4")
     def _(x, packed, scales_and_zeros, out_features, isa):
+        return x.new_empty(*x.shape[:-1], out_features)
+
+    @torch.library.register_fake("brisk::packed_linear_bf16")
+    def _(x, packed, out_features):
         return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -87,7 +98,7 @@ def pack_int8(weight: Tensor, scales: Tensor, isa: str) -> tuple:
     padded[:len(scales)] = scales.float()
     if isa != "avx512vnni":
         return pack(weight), padded
-    return quads(pack((weight.to(torch.int16) + 128).to(torch.uint8), k_multiple=BLOCK)), padded
+    return interleave(pack((weight.to(torch.int16) + 128).to(torch.uint8), k_multiple=BLOCK), 4), padded
 
 
 def pack_int4(codes: Tensor, scales_and_zeros: Tensor, isa: str) -> tuple:
@@ -96,7 +107,7 @@ def pack_int4(codes: Tensor, scales_and_zeros: Tensor, isa: str) -> tuple:
     of a block in byte j's low and high nibbles; bf16 [N / 32, G, 2, 32])."""
     q = pack(codes.to(torch.uint8))  # [blocks, Kp, 32]
     if isa == "avx512vnni":
-        q = quads(q)  # [blocks, Kp / 4, 32, 4]
+        q = interleave(q, 4)  # [blocks, Kp / 4, 32, 4]
         q = q[:, :, :BLOCK // 2] | (q[:, :, BLOCK // 2:] << 4)
     else:
         q = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
@@ -106,25 +117,39 @@ def pack_int4(codes: Tensor, scales_and_zeros: Tensor, isa: str) -> tuple:
     return q.contiguous(), sz.view(G, -1, BLOCK, 2).permute(1, 0, 3, 2).contiguous()
 
 
-def quads(packed: Tensor) -> Tensor:
-    """[blocks, K, 32] -> [blocks, K / 4, 32, 4]: a column's 4 consecutive k side by side."""
+def pack_bf16(w: Tensor) -> Tensor:
+    """bf16 [N, K] -> [N / 32, K / 2, 32, 2] (K padded to even): the pairs vdpbf16ps multiplies."""
+    return interleave(pack(w, k_multiple=2), 2)
+
+
+def interleave(packed: Tensor, n: int) -> Tensor:
+    """[blocks, K, 32] -> [blocks, K / n, 32, n]: a column's n consecutive k side by side (one
+    32-bit lane of a dot-product instruction)."""
     blocks, K, _ = packed.shape
-    return packed.view(blocks, K // 4, 4, BLOCK).transpose(2, 3).contiguous()
+    return packed.view(blocks, K // n, n, BLOCK).transpose(2, 3).contiguous()
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear over a weight packed [N / 32, K, 32] by kernels.cpp (bias, if any, added after)."""
+    """nn.Linear over a weight packed by kernels.cpp: fp32 [N / 32, K, 32], bf16 [N / 32, K / 2, 32, 2]
+    (bias, if any, added after)."""
+
+    # compiling.py: inductor's C++ wrapper calls these ops more slowly than its Python one does.
+    inductor_hints = {"cpp_wrapper": False}
 
     def __init__(self, linear: nn.Linear, isa: str):
         super().__init__()
         register_fake()
         self.in_features, self.out_features, self.isa = linear.in_features, linear.out_features, isa
-        self.register_buffer("packed", pack(linear.weight.detach()))
+        w = linear.weight.detach()
+        self.register_buffer("packed", pack_bf16(w) if w.dtype == torch.bfloat16 else pack(w))
         self.bias = linear.bias
         self._forward_pre_hooks, self._forward_hooks = linear._forward_pre_hooks, linear._forward_hooks  # tp.py's
 
     def forward(self, x: Tensor) -> Tensor:
-        y = torch.ops.brisk.packed_linear(x, self.packed, self.out_features, self.isa)
+        if self.packed.dtype == torch.bfloat16:
+            y = torch.ops.brisk.packed_linear_bf16(x, self.packed, self.out_features)
+        else:
+            y = torch.ops.brisk.packed_linear(x, self.packed, self.out_features, self.isa)
         return y if self.bias is None else y + self.bias
 
 
@@ -134,16 +159,25 @@ class PackedEmbedding(nn.Module):
     def __init__(self, output: PackedLinear):
         super().__init__()
         self.packed = output.packed  # the same tensor: one copy
+        self.dim = output.in_features
 
     def forward(self, idx: Tensor) -> Tensor:
-        block = self.packed.shape[-1]  # output columns per packed block
-        return self.packed.transpose(1, 2)[idx // block, idx % block]
+        block = self.packed.shape[2]  # output columns per packed block
+        rows = self.packed[idx // block, :, idx % block]  # [..., K], or [..., K / 2, 2] (bf16 pairs)
+        return rows.flatten(idx.dim())[..., :self.dim]
+
+
+def packable_dtypes() -> tuple:
+    """The weight dtypes kernels.cpp multiplies on this CPU."""
+    if best_isa() == "":
+        return ()
+    return (torch.float32, torch.bfloat16) if bf16_dot() else (torch.float32,)
 
 
 def can_pack(model: Transformer) -> bool:
-    """A CPU model in fp32 on a CPU kernels.cpp has code for."""
+    """A CPU model in a dtype kernels.cpp has code for on this CPU."""
     w = model.norm.weight
-    return w.device.type == "cpu" and w.dtype == torch.float32 and best_isa() != ""
+    return w.device.type == "cpu" and w.dtype in packable_dtypes()
 
 
 def pack_for_cpu(model: Transformer) -> Transformer:
@@ -152,12 +186,14 @@ def pack_for_cpu(model: Transformer) -> Transformer:
 
 
 def pack_linears(model: Transformer, isa: Optional[str] = None) -> Transformer:
-    """Every fp32 nn.Linear of the model -> PackedLinear (in place); isa None: the CPU's best."""
+    """Every fp32 (and bf16, where the CPU multiplies it) nn.Linear of the model -> PackedLinear (in
+    place); isa None: the CPU's best."""
     isa = isa or best_isa()
+    dtypes = packable_dtypes()
     tied = model.output.weight is model.tok_embeddings.weight
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32:
+            if type(child) is nn.Linear and child.weight.dtype in dtypes:
                 setattr(module, child_name, PackedLinear(child, isa))
     if tied and isinstance(model.output, PackedLinear):
         model.tok_embeddings = PackedEmbedding(model.output)

@@ -1,6 +1,7 @@
 """kernels.cpp's packed products against float64 matrix products (fp32, and int8 / int4 against
 their dequantized weights) and transformers' models."""
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -83,9 +84,49 @@ def test_packed_int4_equals_float64_product(isa, n, k, groupsize):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=5e-4)
 
 
-def test_packed_embedding_reads_the_packed_rows(isa):
-    emb = nn.Embedding(100, 24)
-    out = nn.Linear(24, 100, bias=False)
+@pytest.fixture
+def bf16_dot():
+    if not kernels.bf16_dot():
+        pytest.skip("this CPU has no AVX-512 BF16")
+
+
+@pytest.mark.parametrize("n,k", [(576, 576), (100, 64), (33, 7), (1, 5)])
+def test_packed_bf16_equals_float64_product(bf16_dot, n, k):
+    """bf16 products are exact in fp32: sums in fp32, rounded once to bf16 (the bias added in bf16)."""
+    torch.manual_seed(n + k)
+    linear = nn.Linear(k, n).bfloat16()
+    packed = kernels.PackedLinear(linear, kernels.best_isa())
+    for rows in ROWS:
+        x = torch.randn(2, rows, k).bfloat16()
+        got = packed(x)
+        assert got.dtype == torch.bfloat16
+        expected = x.double() @ linear.weight.double().T + linear.bias.double()
+        torch.testing.assert_close(got.double(), expected, rtol=2 ** -7, atol=2 ** -7)
+
+
+@pytest.mark.parametrize("family", ["llama31", "gemma2"])
+def test_packed_bf16_model_matches_unpacked(bf16_dot, family, tmp_path):
+    """A bf16 model packed (tied embedding gathered from bf16 pairs) against the same model on
+    PyTorch's bf16 products: both round to bf16 after every product, in different orders."""
+    path = save_and_convert(make_hf_model(family, seed=5), tmp_path)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(4))
+    logits = []
+    for pack in (False, True):
+        model = load_model(path, precision=torch.bfloat16)
+        model = kernels.pack_linears(model) if pack else model
+        model.setup_caches(max_batch_size=2, max_seq_length=40)
+        with torch.no_grad():
+            logits.append(model(ids, torch.arange(40)).float())
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert float((logits[1] - logits[0]).norm() / logits[0].norm()) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_embedding_reads_the_packed_rows(isa, dtype):
+    if dtype == torch.bfloat16 and not kernels.bf16_dot():
+        pytest.skip("this CPU has no AVX-512 BF16")
+    emb = nn.Embedding(100, 23).to(dtype)  # an odd width: bf16 pairs padded
+    out = nn.Linear(23, 100, bias=False)
     out.weight = emb.weight
     idx = torch.tensor([[0, 5, 31, 32, 63, 64, 99]])
     torch.testing.assert_close(kernels.PackedEmbedding(kernels.PackedLinear(out, isa))(idx), emb(idx), rtol=0, atol=0)
@@ -112,6 +153,15 @@ def test_hooks_move_with_the_module(isa):
     linear.register_forward_hook(lambda module, inputs, output: output * 2)
     x = torch.randn(3, 8)
     torch.testing.assert_close(kernels.PackedLinear(linear, isa)(x), linear(x))
+
+
+def test_kernels_build_here():
+    """With AVX2 and a C++ compiler, kernels.cpp must build: a compile error fails here rather than
+    skipping every test above."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists() or " avx2 " not in cpuinfo.read_text() or not shutil.which(os.environ.get("CXX", "c++")):
+        pytest.skip("no AVX2 or no C++ compiler here")
+    assert kernels.best_isa() != ""
 
 
 def test_no_compiler_means_pytorch_products(tmp_path):
