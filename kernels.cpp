@@ -456,6 +456,37 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, i
   return shaped(y, x, N);
 }
 
+// Rows of the embedding tied to a packed output projection: row i is column i % 32 of block i / 32.
+template <class T>
+static void gather_columns(const int64_t* ids, int64_t n, const T* p, int64_t K, bool pairs, int64_t dim, T* out) {
+  for (int64_t r = 0; r < n; r++) {
+    const T* block = p + ids[r] / BLOCK * K * BLOCK;
+    int64_t c = ids[r] % BLOCK;
+    for (int64_t k = 0; k < dim; k++)
+      out[r * dim + k] = pairs ? block[(k / 2 * BLOCK + c) * 2 + k % 2] : block[k * BLOCK + c];
+  }
+}
+
+torch::Tensor packed_embedding(const torch::Tensor& idx, const torch::Tensor& packed, int64_t dim) {
+  bool pairs = packed.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(pairs ? packed.dim() == 4 && packed.size(3) == 2 : packed.scalar_type() == torch::kFloat && packed.dim() == 3,
+              "packed_embedding: a weight packed by kernels.py");
+  int64_t K = pairs ? packed.size(1) * 2 : packed.size(1), rows = packed.size(0) * BLOCK;
+  TORCH_CHECK(dim <= K, "packed_embedding: ", dim, " features of ", K);
+  auto ids = idx.to(torch::kLong).contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < ids.numel(); r++)
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < rows, "packed_embedding: index ", ip[r], " out of range");
+  auto shape = idx.sizes().vec();
+  shape.push_back(dim);
+  auto out = torch::empty(shape, packed.options());
+  if (pairs)
+    gather_columns(ip, ids.numel(), packed.data_ptr<at::BFloat16>(), K, true, dim, out.data_ptr<at::BFloat16>());
+  else
+    gather_columns(ip, ids.numel(), packed.data_ptr<float>(), K, false, dim, out.data_ptr<float>());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("best_isa", &best_isa);
   m.def("has_bf16_dot", &has_bf16_dot);
@@ -468,10 +499,12 @@ TORCH_LIBRARY(brisk, m) {
   m.def("packed_linear_int8(Tensor x, Tensor packed, Tensor scales, int out_features, str isa) -> Tensor");
   m.def("packed_linear_int4(Tensor x, Tensor packed, Tensor scales_and_zeros, int out_features, str isa) -> Tensor");
   m.def("packed_linear_bf16(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("packed_embedding(Tensor idx, Tensor packed, int dim) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(brisk, CPU, m) {
   m.impl("packed_linear", &linear);
   m.impl("packed_linear_int8", &linear_int8);
   m.impl("packed_linear_int4", &linear_int4);
   m.impl("packed_linear_bf16", &linear_bf16);
+  m.impl("packed_embedding", &packed_embedding);
 }

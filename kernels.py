@@ -80,6 +80,10 @@ def register_fake():
     def _(x, packed, out_features):
         return x.new_empty(*x.shape[:-1], out_features)
 
+    @torch.library.register_fake("brisk::packed_embedding")
+    def _(idx, packed, dim):
+        return packed.new_empty(*idx.shape, dim)
+
 
 def pack(w: Tensor, k_multiple: int = 1) -> Tensor:
     """[N, K] -> [ceil(N / 32), K, 32] (K padded with zeros to k_multiple): each block of 32 output
@@ -154,7 +158,8 @@ class PackedLinear(nn.Module):
 
 
 class PackedEmbedding(nn.Module):
-    """The embedding tied to a packed output projection: rows gathered from the packed weight."""
+    """The embedding tied to a packed output projection: rows gathered from the packed weight (in
+    C++: as a view of the packed layout the gather's shapes defeat a compiled prefill)."""
 
     def __init__(self, output: PackedLinear):
         super().__init__()
@@ -162,9 +167,7 @@ class PackedEmbedding(nn.Module):
         self.dim = output.in_features
 
     def forward(self, idx: Tensor) -> Tensor:
-        block = self.packed.shape[2]  # output columns per packed block
-        rows = self.packed[idx // block, :, idx % block]  # [..., K], or [..., K / 2, 2] (bf16 pairs)
-        return rows.flatten(idx.dim())[..., :self.dim]
+        return torch.ops.brisk.packed_embedding(idx, self.packed, self.dim)
 
 
 def packable_dtypes() -> tuple:
