@@ -27,14 +27,11 @@ from model import Transformer
 BLOCK = 32  # output columns per packed block (kernels.cpp)
 
 
-def log(*args):
-    print(*args, file=sys.stderr, flush=True)
-
-
 @functools.cache
 def extension():
     from torch.utils.cpp_extension import load
-    log("kernels.cpp: building or loading the compiled extension (the first build takes ~30 s)")
+    print("kernels.cpp: building or loading the compiled extension (the first build takes ~30 s)", file=sys.stderr,
+          flush=True)
     return load("brisk_kernels", [str(Path(__file__).with_name("kernels.cpp"))],
                 extra_cflags=["-O3", "-fopenmp"], verbose=False)
 
@@ -47,7 +44,7 @@ def best_isa() -> str:
         return extension().best_isa()
     except Exception as e:  # torch's loader raises several kinds for a missing or failing compiler
         reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
-        log(f"kernels.cpp could not be built ({reason}); fp32 products stay PyTorch's")
+        print(f"kernels.cpp could not be built ({reason}); products stay PyTorch's", file=sys.stderr, flush=True)
         return ""
 
 
@@ -158,8 +155,8 @@ class PackedLinear(nn.Module):
 
 
 class PackedEmbedding(nn.Module):
-    """The embedding tied to a packed output projection: rows gathered from the packed weight (in
-    C++: as a view of the packed layout the gather's shapes defeat a compiled prefill)."""
+    """The embedding tied to a packed output projection: rows gathered from the packed weight, in
+    C++ (indexing a view of the bf16 pair layout gave inductor a prefill graph it could not run)."""
 
     def __init__(self, output: PackedLinear):
         super().__init__()
