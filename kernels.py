@@ -180,8 +180,14 @@ def can_pack(model: Transformer) -> bool:
     return w.device.type == "cpu" and w.dtype in packable_dtypes()
 
 
-def pack_for_cpu(model: Transformer) -> Transformer:
-    """What the command lines call after loading: the model packed where kernels.cpp serves it."""
+def pack_for_cpu(model: Transformer, compiled_rows: Optional[int] = None) -> Transformer:
+    """What the command lines call after loading: the model packed where kernels.cpp serves it.
+    compiled_rows: the most rows a compiled step of the model will take (None: not compiled). A
+    bf16 model whose compiled steps all take up to 4 rows stays unpacked: compiling.kernel_options
+    gives those inductor's bf16 template, faster at one row than the packed product (README, Many
+    streams)."""
+    if model.norm.weight.dtype == torch.bfloat16 and compiled_rows is not None and compiled_rows <= 4:
+        return model
     return pack_linears(model) if can_pack(model) else model
 
 
