@@ -121,6 +121,17 @@ def test_packed_bf16_model_matches_unpacked(bf16_dot, family, tmp_path):
     assert float((logits[1] - logits[0]).norm() / logits[0].norm()) < 2e-2
 
 
+def test_bf16_compiled_for_few_rows_stays_unpacked(bf16_dot):
+    """pack_for_cpu leaves a bf16 model whose compiled steps take at most 4 rows to inductor's bf16
+    template (faster there); eager, or with more rows, it is packed; fp32 always is."""
+    from model import ModelArgs, Transformer
+    def packed(dtype, rows):
+        model = Transformer(ModelArgs(n_layer=1, dim=32, n_head=2, vocab_size=64, intermediate_size=64)).to(dtype)
+        return isinstance(kernels.pack_for_cpu(model, rows).output, kernels.PackedLinear)
+    assert not packed(torch.bfloat16, 4)
+    assert packed(torch.bfloat16, 5) and packed(torch.bfloat16, None) and packed(torch.float32, 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_embedding_reads_the_packed_rows(isa, dtype):
     if dtype == torch.bfloat16 and not kernels.bf16_dot():
