@@ -99,11 +99,11 @@ struct Int4 {
 template <int ROWS, class W>
 AVX512 static inline void add_group(const W& w, int64_t g, __m512 (&acc)[ROWS][2], float (*out)[BLOCK]) {
   for (int j = 0; j < 2; j++) {
-    __m512 s = w.scale512(g, 16 * j);
+    __m512 s = w.scale512(g, 16 * j), offset = _mm512_setzero_ps();
+    if constexpr (std::is_same_v<W, Int4>) offset = w.offset512(g, 16 * j);
     for (int m = 0; m < ROWS; m++) {
       __m512 o = _mm512_fmadd_ps(acc[m][j], s, _mm512_loadu_ps(out[m] + 16 * j));
-      if constexpr (std::is_same_v<W, Int4>)
-        o = _mm512_fmadd_ps(w.offset512(g, 16 * j), _mm512_set1_ps(w.xsum[m * w.groups + g]), o);
+      if constexpr (std::is_same_v<W, Int4>) o = _mm512_fmadd_ps(offset, _mm512_set1_ps(w.xsum[m * w.groups + g]), o);
       _mm512_storeu_ps(out[m] + 16 * j, o);
     }
   }
@@ -114,11 +114,11 @@ AVX2 static inline void add_group(const W& w, int64_t g, int64_t half, __m256 (&
                                   float (*out)[BLOCK]) {
   for (int j = 0; j < 2; j++) {
     int64_t c = half + 8 * j;
-    __m256 s = w.scale256(g, c);
+    __m256 s = w.scale256(g, c), offset = _mm256_setzero_ps();
+    if constexpr (std::is_same_v<W, Int4>) offset = w.offset256(g, c);
     for (int m = 0; m < ROWS; m++) {
       __m256 o = _mm256_fmadd_ps(acc[m][j], s, _mm256_loadu_ps(out[m] + c));
-      if constexpr (std::is_same_v<W, Int4>)
-        o = _mm256_fmadd_ps(w.offset256(g, c), _mm256_set1_ps(w.xsum[m * w.groups + g]), o);
+      if constexpr (std::is_same_v<W, Int4>) o = _mm256_fmadd_ps(offset, _mm256_set1_ps(w.xsum[m * w.groups + g]), o);
       _mm256_storeu_ps(out[m] + c, o);
     }
   }
@@ -445,7 +445,8 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, i
               packed.size(3) == 2 && blocks * BLOCK >= N && K2 == (K + 1) / 2,
               "packed_linear_bf16: a bf16 weight packed [N / 32, K / 2, 32, 2] for ", K, " input features");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "packed_linear_bf16: x must be bf16");
-  TORCH_CHECK(has_bf16_dot(), "packed_linear_bf16: this CPU has no AVX-512 BF16");
+  static const bool supported = has_bf16_dot();  // asked once, not on every call of a decode step
+  TORCH_CHECK(supported, "packed_linear_bf16: this CPU has no AVX-512 BF16");
   auto x2 = x.reshape({-1, K});
   x2 = K % 2 ? torch::constant_pad_nd(x2, {0, 1}) : x2.contiguous();  // whole pairs
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x2.data_ptr<at::BFloat16>());
