@@ -209,7 +209,7 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
     t0 = time.perf_counter()
     # The compiled steps' rows: the engine's slots, the batch, or a speculative verify of k + 1.
     rows = max(max_batch_size if prompts_file else batch_size,
-               speculate_k + 1 if draft_checkpoint_path or speculate_ngram else 1)
+               speculate_k + 1 if draft_checkpoint_path is not None or speculate_ngram is not None else 1)
     model = pack_for_cpu(load_model(checkpoint_path, device, dtype, tp=dist), rows if compile else None)
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     check_vocab(tokenizer, model.config.vocab_size, Path(checkpoint_path).parent)

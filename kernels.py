@@ -25,6 +25,9 @@ from torch import Tensor, nn
 from model import Transformer
 
 BLOCK = 32  # output columns per packed block (kernels.cpp)
+# compiling.py, for every module that calls these ops: inductor's C++ wrapper calls them more
+# slowly than its Python one does.
+INDUCTOR_HINTS = {"cpp_wrapper": False}
 
 
 @functools.cache
@@ -134,8 +137,7 @@ class PackedLinear(nn.Module):
     """nn.Linear over a weight packed by kernels.cpp: fp32 [N / 32, K, 32], bf16 [N / 32, K / 2, 32, 2]
     (bias, if any, added after)."""
 
-    # compiling.py: inductor's C++ wrapper calls these ops more slowly than its Python one does.
-    inductor_hints = {"cpp_wrapper": False}
+    inductor_hints = INDUCTOR_HINTS
 
     def __init__(self, linear: nn.Linear, isa: str):
         super().__init__()

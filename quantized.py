@@ -200,7 +200,7 @@ class Int8Linear(nn.Module):
     def inductor_hints(self) -> dict:
         """compiling.py: inductor's int8 template reads these faster than ATen's kernel, which
         max-autotune would otherwise pick; the C++ wrapper is slower around inductor's own kernels."""
-        return {"cpp_wrapper": False} if self.kernel == "packed" else {"gemm_backends": ("CPP",), "cpp_wrapper": False}
+        return kernels.INDUCTOR_HINTS if self.kernel == "packed" else {"gemm_backends": ("CPP",), "cpp_wrapper": False}
 
     def finalize(self, device: torch.device, precision: torch.dtype):
         self.kernel = int8_kernel(device, self.in_features)
@@ -246,8 +246,8 @@ class Int4Linear(nn.Module):
     @property
     def inductor_hints(self) -> dict:
         """Some int4 shapes have no template: ATen's kernel stays a candidate."""
-        return {"cpp_wrapper": False} if self.kernel == "packed" else {"gemm_backends": ("CPP", "ATEN"),
-                                                                       "cpp_wrapper": False}
+        return kernels.INDUCTOR_HINTS if self.kernel == "packed" else {"gemm_backends": ("CPP", "ATEN"),
+                                                                        "cpp_wrapper": False}
 
     def finalize(self, device: torch.device, precision: torch.dtype):
         assert self.kernel is None, "finalize() repacks the weight: call it once"
