@@ -49,18 +49,35 @@ def compile_prefill(fn: Callable, device: str) -> Callable:
     several: a batch of 1 would otherwise be a graph of its own, each a long compile.
     """
     if device != "cpu":
-        return torch.compile(fn, fullgraph=True, dynamic=True)
+        compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+
+        def step(model, *args, **kwargs):
+            static_buffers(model)
+            return compiled(model, *args, **kwargs)
+        return step
     steps = weakref.WeakKeyDictionary()  # model -> its frozen prefill
 
     def step(model, *args, **kwargs):
         f = steps.get(model)
         if f is None:
             f = steps[model] = frozen_step(fn, model, rows=None)
+        static_buffers(model)
         for t in (*args, *kwargs.values()):
             if isinstance(t, torch.Tensor):
                 torch._dynamo.decorators.mark_unbacked(t, 0)
         return f(model, *args, **kwargs)
     return step
+
+
+def static_buffers(model):
+    """Keep the shapes of the model's buffers (quantized and packed weights, caches) out of the
+    dynamic ones: under dynamic=True dynamo would give each dimension a symbol, and one that
+    happened to equal a prompt's length (duck sizing: a packed layout's 2 or 32 and a prompt of 2
+    or 32 tokens share a symbol) was then pinned by the frozen weights, so the next prompt length
+    recompiled the whole prefill. Parameters are static already. Marked on every call: a new
+    cache (setup_caches) is a new tensor."""
+    for t in model.buffers():
+        torch._dynamo.mark_static(t)
 
 
 def skip_guards(steady: bool):

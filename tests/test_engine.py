@@ -276,7 +276,7 @@ def test_compiled_engine_equals_eager(tiny, family, mode, tmp_path):
         dtype = torch.bfloat16 if mode == "packed-bf16" else torch.float32
         if dtype not in kernels.packable_dtypes():
             pytest.skip(f"kernels.cpp has no {dtype} code for this CPU")
-        hf = make_hf_model(family, max_position_embeddings=384)
+        hf = make_hf_model(family, max_position_embeddings=384, tie_word_embeddings=True)  # and PackedEmbedding
         model = kernels.pack_linears(load_model(save_and_convert(hf, tmp_path), precision=dtype))
     elif mode is not None:  # int8 llama31: kernels.cpp's; mixtral: a batch of 3 runs every expert on every token
         import quantize
@@ -286,6 +286,10 @@ def test_compiled_engine_equals_eager(tiny, family, mode, tmp_path):
     torch._dynamo.reset()
     counters.clear()
     engine = Engine(model, IdTokenizer(), max_batch_size=3, max_seq_length=340, prefill_chunk=64, compile=True)
+    # First prompts of 2 and 32 tokens, as lengths that equal a dimension of a packed or quantized
+    # weight ([N/32, K/2, 32, 2] in bf16) once pinned the prefill graph to that length.
+    for first in prompts((2, 32), seed=1):
+        engine.generate([Request(first, 2)])
     results = engine.generate([Request(p, 10) for p in ps])
     assert counters["stats"]["unique_graphs"] == 3  # two decode buckets, one prefill
     if mode != "packed-bf16":
