@@ -6,11 +6,15 @@ it, then decodes with every other active slot in one step of static shape [max_b
 (the graph `--compile` captures, beside one for a prompt of any length); when it finishes its slot
 is free for the next waiting request at once (continuous batching). Each step does at most
 `prefill_chunk` tokens of prefill beside the decode step, so a long prompt loads in chunks while
-the running streams keep going; fresh short prompts that fit the chunk together are all prefilled
-in that step.
+the running streams keep going; short prompts that fit the chunk together are all prefilled in
+that step. A prompt's last token alone (a one-token prompt, a chunk's remainder, a prompt found
+whole in the cache) needs no prefill: it joins the decode step, as a decoding row's next token.
 
 A slot's cache row is never cleared: positions past what its current request wrote hold another
 request's values, and the causal mask (keys at positions <= the query's) never lets it see them.
+What a finished request left there is also a prompt cache: a new request takes the free slot whose
+tokens share the longest prefix with its prompt and prefills only the rest (a chat's system prompt
+and earlier turns, a few-shot preamble), as llama.cpp's server does with its slots.
 
     engine = Engine(model, tokenizer, max_batch_size=8)
     results = engine.generate([Request(tokenizer.encode("Hello"), max_new_tokens=32), ...])
@@ -60,6 +64,7 @@ class Output:
     logprobs: list = field(default_factory=list)  # per new token: (logprob, [(token id, logprob), ...])
     finish_reason: Optional[str] = None  # "stop" (EOS or stop string), "length", "abort"
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, found in the slot's cache (not prefilled)
     completion_tokens: int = 0  # so far
 
 
@@ -80,14 +85,21 @@ class _Sequence:
         self.eos = set(eos_ids)
         self.generator: Optional[torch.Generator] = None  # made by the engine for a sampled request
         self.cached = 0  # positions of this sequence written into its cache row
+        self.reused = 0  # of those, found there (a previous request's prefix)
         self.generated: list = []
-        self.next_token: Optional[int] = None  # sampled, not yet in the cache
+        self.next_token: Optional[int] = None  # sampled (or the prompt's last), not yet in the cache
         self.text_sent = 0  # characters of text already emitted
         self.finish_reason: Optional[str] = None
 
     @property
     def prefilling(self) -> bool:
-        return self.cached < len(self.prompt)
+        return self.next_token is None and self.cached < len(self.prompt)
+
+    def advance(self, cached: int):
+        """cached positions written; the prompt's last token alone left joins the decode step."""
+        self.cached = cached
+        if cached == len(self.prompt) - 1:
+            self.next_token = self.prompt[-1]
 
 
 def check_request(request: Request, max_seq_length: int, vocab_size: int):
@@ -112,8 +124,11 @@ def decode_step(model: Transformer, x: Tensor, input_pos: Tensor, kv_len: int) -
 def prefill_step(model: Transformer, x: Tensor, input_pos: Tensor, cache_rows: Tensor, logits_at: Tensor,
                  kv_len: int, from_start: bool) -> Tensor:
     """Prompt tokens x [B, T] at positions input_pos [B, T] into cache rows cache_rows [B] -> logits
-    [B, V] at each row's index logits_at [B] into T: the step compile_prefill compiles (one graph
-    for any number of prompts of any length from position 0)."""
+    [B, V] at each row's index logits_at [B] into T: the step compile_prefill compiles (with
+    from_start False, one graph for any number of prompts of any length from any positions)."""
+    # The compiled graph leaves each tensor's batch unbacked (compiling.compile_prefill): say they agree.
+    for t in (input_pos, cache_rows, logits_at):
+        torch._check(t.shape[0] == x.shape[0])
     return model(x, input_pos, from_start=from_start, cache_rows=cache_rows, logits_at=logits_at, kv_len=kv_len)[:, -1]
 
 
@@ -139,6 +154,7 @@ class Engine:
         self.decode_fn = compile_step(decode_step, self.device.type) if compile else decode_step
         self.prefill_fn = compile_prefill(prefill_step, self.device.type) if compile else prefill_step
         self.slots: list = [None] * max_batch_size  # slot -> _Sequence or None
+        self.kept: list = [[] for _ in range(max_batch_size)]  # free slot -> the tokens its cache row holds
         self.waiting: deque = deque()
         self.live: dict = {}  # request id -> _Sequence, waiting or in a slot
         self.inbox: list = []  # ("add", id, request, seed) / ("abort", id) events from any thread
@@ -232,7 +248,7 @@ class Engine:
         self._emit(decoded)
         for i, seq in enumerate(self.slots):
             if seq is not None and seq.finish_reason is not None:
-                self.slots[i] = None
+                self._free(i)
         return outputs + decoded
 
     def _emit(self, outputs: list):
@@ -260,43 +276,58 @@ class Engine:
             if seq.finish_reason is None:
                 self._finish(seq, "abort", outputs)
 
+    def _free(self, i: int):
+        s = self.slots[i]
+        self.kept[i] = (s.prompt + s.generated)[:s.cached]  # the last token sampled is not in the cache
+        self.slots[i] = None
+
     def _admit(self):
         for i, seq in enumerate(self.slots):
-            if (seq is None or seq.finish_reason is not None) and self.waiting:
-                if seq is not None:  # aborted: free it now
-                    self.slots[i] = None
-                self.slots[i] = self.waiting.popleft()
+            if seq is not None and seq.finish_reason is not None:  # aborted: free it now
+                self._free(i)
+        while self.waiting and None in self.slots:
+            seq = self.waiting.popleft()
+            free = [i for i, s in enumerate(self.slots) if s is None]
+            shared = [common_prefix(self.kept[i], seq.prompt) for i in free]
+            best = max(range(len(free)), key=shared.__getitem__)  # the first of the longest
+            # At least the prompt's last token is computed again: its logits give the first token.
+            seq.reused = min(shared[best], len(seq.prompt) - 1)
+            seq.advance(seq.reused)
+            self.slots[free[best]] = seq
 
     def _prefill(self, outputs: list):
         todo = [(i, s) for i, s in enumerate(self.slots) if s is not None and s.prefilling and s.finish_reason is None]
         if not todo:
             return
-        # Fresh prompts that fit the chunk together: one right-padded forward (causal attention
-        # never looks right, so the padding is invisible to each row's real tokens).
-        group, longest = [], 0
+        # Prompts whose rest fits the chunk together: one right-padded forward, each row from its
+        # own position (causal attention never looks right, so the padding is invisible to each
+        # row's real tokens; the padding's positions must exist in the cache).
+        group, longest, last_start = [], 0, 0
         for i, s in todo:
-            if s.cached == 0 and max(longest, len(s.prompt)) * (len(group) + 1) <= self.prefill_chunk:
+            n, start = max(longest, len(s.prompt) - s.cached), max(last_start, s.cached)
+            if n * (len(group) + 1) <= self.prefill_chunk and start + n <= self.max_seq_length:
                 group.append((i, s))
-                longest = max(longest, len(s.prompt))
-        start = 0
+                longest, last_start = n, start
         if not group:  # the next chunk of the oldest prefilling request (too long for one step)
-            group, start = todo[:1], todo[0][1].cached
-            longest = min(len(todo[0][1].prompt) - start, self.prefill_chunk)
-        ends = [min(len(s.prompt), start + longest) for _, s in group]
+            group = todo[:1]
+            longest = min(len(todo[0][1].prompt) - todo[0][1].cached, self.prefill_chunk)
+        starts = [s.cached for _, s in group]
+        ends = [min(len(s.prompt), start + longest) for (_, s), start in zip(group, starts)]
         x = torch.zeros(len(group), longest, dtype=torch.long)
-        for row, ((_, s), end) in enumerate(zip(group, ends)):
+        for row, ((_, s), start, end) in enumerate(zip(group, starts, ends)):
             x[row, :end - start] = torch.tensor(s.prompt[start:end])
-        input_pos = torch.arange(start, start + longest).repeat(len(group), 1)
+        input_pos = torch.tensor(starts)[:, None] + torch.arange(longest)
         rows = torch.tensor([i for i, _ in group])
-        logits_at = torch.tensor(ends) - start - 1
-        # The compiled graph takes prompts' first chunks; a one-token prompt (another graph) and
-        # the later chunks of a long one, both rare, run eagerly rather than compile more.
-        fn = self.prefill_fn if start == 0 and longest > 1 else prefill_step
-        logits = fn(self.model, *(t.to(self.device) for t in (x, input_pos, rows, logits_at)), start + longest,
-                    start == 0)
+        logits_at = torch.tensor(ends) - torch.tensor(starts) - 1
+        # Eager prompts from position 0 skip reading the cache (causal attention within x). The
+        # compiled step always reads it: one graph for first chunks, later chunks and the rests of
+        # cached prefixes alike (longest > 1 here: one-token rests decode).
+        from_start = self.prefill_fn is prefill_step and max(starts) == 0
+        logits = self.prefill_fn(self.model, *(t.to(self.device) for t in (x, input_pos, rows, logits_at)),
+                                 max(starts) + longest, from_start)
+        done = [row for row, ((_, s), end) in enumerate(zip(group, ends)) if end == len(s.prompt)]
         for (_, s), end in zip(group, ends):
-            s.cached = end
-        done = [row for row, (_, s) in enumerate(group) if not s.prefilling]
+            s.advance(end)
         if done:
             self._sample([group[row][1] for row in done], logits[done], outputs)
 
@@ -308,14 +339,13 @@ class Engine:
         tokens = torch.zeros(B, 1, dtype=torch.long)
         pos = torch.zeros(B, 1, dtype=torch.int)
         for i, s in enumerate(self.slots):
-            if s is None:
-                continue
-            # Rows that do not decode write garbage at a position their own request writes
-            # again before reading it (a prefilling slot's next position), or in a free slot.
-            pos[i, 0] = s.cached
+            # Rows that do not decode write garbage at a position their own request writes again
+            # before reading it (a prefilling slot's next position), or past what a free slot keeps.
+            pos[i, 0] = len(self.kept[i]) if s is None else s.cached
             if active[i]:
                 tokens[i, 0] = s.next_token
-        kv_len = kv_bucket(int(pos.max()) + 1, self.max_seq_length)
+        # Free slots' positions do not count: their garbage lands past the attention's bucket.
+        kv_len = kv_bucket(max(s.cached for s in self.slots if s is not None) + 1, self.max_seq_length)
         # The graph of the last step's bucket passed its guards; a new bucket must be looked up (or compiled).
         with skip_guards(kv_len == self.last_kv_len):
             logits = self.decode_fn(self.model, tokens.to(self.device), pos.to(self.device), kv_len)
@@ -355,7 +385,7 @@ class Engine:
         # Hold back what may still change: an incomplete UTF-8 sequence, or the start of a stop string.
         safe = len(text) - held_back(text, s.request.stop)
         outputs.append(Output(s.id, text[s.text_sent:safe], [token], logprobs, None, len(s.prompt),
-                              len(s.generated)))
+                              s.reused, len(s.generated)))
         s.text_sent = max(s.text_sent, safe)
 
     def _finish(self, s: _Sequence, reason: str, outputs: list, text: Optional[str] = None,
@@ -367,8 +397,18 @@ class Engine:
                 text = text[:cut]
         s.finish_reason = reason
         outputs.append(Output(s.id, text[s.text_sent:], [] if token is None else [token], list(logprobs), reason,
-                              len(s.prompt), len(s.generated)))
+                              len(s.prompt), s.reused, len(s.generated)))
         s.text_sent = len(text)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:

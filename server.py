@@ -166,7 +166,9 @@ class Server:
         self.stop = threading.Event()  # set when HTTP has stopped: the engine's loop ends
         r = self.registry = CollectorRegistry()
         self.requests = Counter("brisk_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter("brisk_prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter("brisk_prompt_tokens", "prompt tokens received", registry=r)
+        self.cached_tokens = Counter("brisk_prompt_tokens_cached", "prompt tokens found in a slot's cache, not "
+                                     "prefilled", registry=r)
         self.generated_tokens = Counter("brisk_generation_tokens", "tokens generated", registry=r)
         Gauge("brisk_queue_length", "requests waiting for a slot", registry=r).set_function(
             lambda: engine.stats()["waiting"])
@@ -200,7 +202,11 @@ class Server:
                 def on_output(out, choice=choice, arrival=arrival, last=last):  # the engine's thread
                     now = time.perf_counter()
                     if out.token_ids:
-                        (self.ttft.observe(now - arrival) if last[0] is None else self.itl.observe(now - last[0]))
+                        if last[0] is None:
+                            self.ttft.observe(now - arrival)
+                            self.cached_tokens.inc(out.cached_tokens)
+                        else:
+                            self.itl.observe(now - last[0])
                         last[0] = now
                         self.generated_tokens.inc(len(out.token_ids))
                     loop.call_soon_threadsafe(queue.put_nowait, (choice, out))
@@ -279,9 +285,10 @@ def make_app(server: Server):
                 "top_logprobs": [{token_text(t): v for t, v in top} for _, top in out.logprobs],
                 "text_offset": offsets}
 
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     async def outputs(request, ids: list, queue: asyncio.Queue):
         """(choice, Output) until every choice finished; aborts them all if the client goes away."""
@@ -347,6 +354,7 @@ def make_app(server: Server):
                 "created": int(time.time()), "model": server.model_name}
         n = params["n"]
         prompt_len = sum(len(p) for p in prompts)
+        cached = [0] * len(ids)  # per choice: its prompt's tokens found in a slot's cache
         prefix = [server.tokenizer.decode(prompts[c // n]) if echo else "" for c in range(len(ids))]
 
         if params["stream"]:
@@ -360,6 +368,7 @@ def make_app(server: Server):
                 completion_tokens = 0
                 async for c, out in outputs(request, ids, queue):
                     completion_tokens += len(out.token_ids)
+                    cached[c] = out.cached_tokens
                     text = out.text
                     if not sent_text[c] and prefix[c]:
                         text, sent_text[c] = prefix[c] + text, True
@@ -374,7 +383,7 @@ def make_app(server: Server):
                                   "logprobs": completion_logprobs(out, 0) if logprobs is not None else None}
                     yield json.dumps({**base, "choices": [choice], **extra})
                 if params["include_usage"]:
-                    yield json.dumps({**base, "choices": [], "usage": usage(prompt_len, completion_tokens)})
+                    yield json.dumps({**base, "choices": [], "usage": usage(prompt_len, completion_tokens, sum(cached[::n]))})
                 yield "[DONE]"
 
             return EventSourceResponse(events(), ping=15, shutdown_grace_period=server.shutdown_s)
@@ -384,6 +393,7 @@ def make_app(server: Server):
         completion_tokens = 0
         async for c, out in outputs(request, ids, queue):
             completion_tokens += len(out.token_ids)
+            cached[c] = out.cached_tokens
             if logprobs is not None:
                 lps[c] += chat_logprobs(out) if chat else [completion_logprobs(out, len(texts[c]))]
             texts[c] += out.text
@@ -398,7 +408,7 @@ def make_app(server: Server):
                         "logprobs": merge_completion_logprobs(lps[c]) if logprobs is not None else None}
                        for c in range(len(ids))]
         return JSONResponse({**base, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                             "usage": usage(prompt_len, completion_tokens), "system_fingerprint": None})
+                             "usage": usage(prompt_len, completion_tokens, sum(cached[::n])), "system_fingerprint": None})
 
     async def chat_completions(request):
         return await completion(request, chat=True)

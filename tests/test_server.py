@@ -115,6 +115,8 @@ def test_chat_and_completions_equal_local_generation(client, reference):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
+    # The same prompt again: all but its last token found in the slot the first request left.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == prompt_len - 1
 
     text, n, finish, _ = reference("The quick brown", 10, chat=False)
     r = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=10, temperature=0)
