@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
+from kernels import BF16_TEMPLATE_ROWS
 from load import weights
 from model import MoEFeedForward
 
@@ -137,9 +138,9 @@ def kernel_options(model, rows: int) -> dict:
     hints = [m.inductor_hints for m in model.modules() if hasattr(m, "inductor_hints")]
     moe = any(isinstance(m, MoEFeedForward) for m in model.modules())
     # bf16 (norm.weight has the activations' dtype) on a CPU with AVX-512 BF16 dot products, up
-    # to 4 rows: inductor's template, as in fp32 below (on an AVX-512 EPYC 2.1x oneDNN's products
-    # at one row, but half their speed at 8; README, Benchmarks).
-    bf16_template = (rows <= 4 and not hints and not moe
+    # to BF16_TEMPLATE_ROWS rows: inductor's template, as in fp32 below (faster than oneDNN's
+    # products at one row, slower at 8; README, Benchmarks).
+    bf16_template = (rows <= BF16_TEMPLATE_ROWS and not hints and not moe
                      and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
     if model.norm.weight.dtype != torch.float32 and not bf16_template:
         # Elsewhere bf16 runs oneDNN's products, without autotuning (timing the candidates with

@@ -28,6 +28,9 @@ BLOCK = 32  # output columns per packed block (kernels.cpp)
 # compiling.py, for every module that calls these ops: inductor's C++ wrapper calls them more
 # slowly than its Python one does.
 INDUCTOR_HINTS = {"cpp_wrapper": False}
+# A compiled bf16 step of up to this many rows runs inductor's bf16 template, faster there than
+# the packed product (compiling.kernel_options; pack_for_cpu leaves such models unpacked).
+BF16_TEMPLATE_ROWS = 4
 
 
 @functools.cache
@@ -188,7 +191,7 @@ def pack_for_cpu(model: Transformer, compiled_rows: Optional[int] = None) -> Tra
     bf16 model whose compiled steps all take up to 4 rows stays unpacked: compiling.kernel_options
     gives those inductor's bf16 template, faster at one row than the packed product (README, Many
     streams)."""
-    if model.norm.weight.dtype == torch.bfloat16 and compiled_rows is not None and compiled_rows <= 4:
+    if model.norm.weight.dtype == torch.bfloat16 and compiled_rows is not None and compiled_rows <= BF16_TEMPLATE_ROWS:
         return model
     return pack_linears(model) if can_pack(model) else model
 

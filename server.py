@@ -285,10 +285,11 @@ def make_app(server: Server):
                 "top_logprobs": [{token_text(t): v for t, v in top} for _, top in out.logprobs],
                 "text_offset": offsets}
 
-    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    def usage(prompt_tokens: int, completion_tokens: int, cached: list) -> dict:
+        """cached: per prompt, its tokens found in a slot's cache."""
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": sum(cached)}}
 
     async def outputs(request, ids: list, queue: asyncio.Queue):
         """(choice, Output) until every choice finished; aborts them all if the client goes away."""
@@ -354,7 +355,7 @@ def make_app(server: Server):
                 "created": int(time.time()), "model": server.model_name}
         n = params["n"]
         prompt_len = sum(len(p) for p in prompts)
-        cached = [0] * len(ids)  # per choice: its prompt's tokens found in a slot's cache
+        cached = [0] * len(ids)  # per choice: its prompt's tokens found in a slot's cache (a prompt counts once)
         prefix = [server.tokenizer.decode(prompts[c // n]) if echo else "" for c in range(len(ids))]
 
         if params["stream"]:
@@ -383,7 +384,8 @@ def make_app(server: Server):
                                   "logprobs": completion_logprobs(out, 0) if logprobs is not None else None}
                     yield json.dumps({**base, "choices": [choice], **extra})
                 if params["include_usage"]:
-                    yield json.dumps({**base, "choices": [], "usage": usage(prompt_len, completion_tokens, sum(cached[::n]))})
+                    yield json.dumps({**base, "choices": [],
+                                      "usage": usage(prompt_len, completion_tokens, cached[::n])})
                 yield "[DONE]"
 
             return EventSourceResponse(events(), ping=15, shutdown_grace_period=server.shutdown_s)
@@ -408,7 +410,7 @@ def make_app(server: Server):
                         "logprobs": merge_completion_logprobs(lps[c]) if logprobs is not None else None}
                        for c in range(len(ids))]
         return JSONResponse({**base, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                             "usage": usage(prompt_len, completion_tokens, sum(cached[::n])), "system_fingerprint": None})
+                             "usage": usage(prompt_len, completion_tokens, cached[::n]), "system_fingerprint": None})
 
     async def chat_completions(request):
         return await completion(request, chat=True)
