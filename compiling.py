@@ -1,16 +1,20 @@
 # Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
 """How a decode-sized step is compiled for a device: one function, `compile_step`.
 
-CUDA: CUDA graphs (one launch per step). CPU: the model's weights are frozen into the graph so
-inductor repacks them once for its GEMM kernels, whose matrix-vector products use every core
-(eager PyTorch's run on one). Which kernels inductor may pick is asked of the model's modules
-(`inductor_hints`, declared by quantized.py's modules); nothing here knows their classes.
+CUDA: CUDA graphs (one launch per step). CPU: a model whose products are kernels.cpp's (packed
+at load time: kernels.py, quantized.py) compiles as it is, and a second run finds the whole
+compile in inductor's on-disk cache. Other models' weights are frozen into the graph so inductor
+repacks them once for its GEMM kernels, whose matrix-vector products use every core (eager
+PyTorch's run on one). Which kernels inductor may pick is asked of the model's modules
+(`inductor_hints`, declared by kernels.py's and quantized.py's modules); nothing here knows
+their classes.
 """
 import hashlib
 import weakref
 from typing import Callable, Optional
 
 import torch
+from torch import nn
 
 from kernels import BF16_TEMPLATE_ROWS
 from load import weights
@@ -27,8 +31,8 @@ def compile_step(fn: Callable, device: str) -> Callable:
     if device != "cpu":
         return torch.compile(fn, fullgraph=True)
     import torch._inductor.inductor_prims  # noqa: F401  (model.in_memory's prim)
-    # model -> {rows: its frozen step}: the weights are part of the graph, and which GEMM kernels
-    # may run depends on the products' rows (kernel_options).
+    # model -> {rows: its step}: frozen weights are part of the graph, and which GEMM kernels may
+    # run depends on the products' rows (kernel_options).
     steps = weakref.WeakKeyDictionary()
 
     def step(model, x, *args, **kwargs):
@@ -43,9 +47,9 @@ def compile_step(fn: Callable, device: str) -> Callable:
 def compile_prefill(fn: Callable, device: str) -> Callable:
     """torch.compile a prompt-sized step fn(model, x, ...): its length varies, so dynamic shapes.
 
-    On the CPU the weights are frozen too: inductor repacks them for oneDNN's products, several
-    times faster than eager PyTorch's on a short prompt (README, How it works), at the cost of
-    that repacked copy in memory. There the first dimension of every tensor argument is a batch
+    On the CPU the weights are frozen too where the step needs it (needs_freezing): inductor repacks
+    them for oneDNN's products, several times faster than eager PyTorch's on a short prompt
+    (README, How it works), at the cost of that repacked copy in memory. There the first dimension of every tensor argument is a batch
     whose size is left unbacked (unknown to the graph), so that one graph serves one prompt and
     several: a batch of 1 would otherwise be a graph of its own, each a long compile.
     """
@@ -88,20 +92,34 @@ def skip_guards(steady: bool):
     return torch.compiler.set_stance("default", skip_guard_eval_unsafe=steady)
 
 
+def needs_freezing(model) -> bool:
+    """Whether inductor must freeze the model's weights to run its products fast: yes for
+    nn.Linear, experts and quantized layers on PyTorch's kernels; no when every product is an op
+    on weights packed at load time (modules whose hints say "freeze": False). Those steps run as
+    fast unfrozen, and a frozen graph misses AOTAutograd's cache: every warm start would redo
+    most of the compile."""
+    if any(type(m) is nn.Linear or isinstance(m, MoEFeedForward) for m in model.modules()):
+        return True
+    return any(m.inductor_hints.get("freeze", True) for m in model.modules() if hasattr(m, "inductor_hints"))
+
+
 def frozen_step(fn: Callable, model, rows: Optional[int]) -> Callable:
-    """fn compiled for the CPU with the model's weights frozen, for inputs of `rows` tokens, or of
-    any number (None: dynamic shapes, and inductor's default products, as its GEMM template and
-    kernel_options are for static ones).
+    """fn compiled for the CPU with the model's weights frozen (where needs_freezing), for inputs
+    of `rows` tokens, or of any number (None: dynamic shapes, and inductor's default products, as
+    its GEMM template and kernel_options are for static ones).
 
     The repacked copy stays beside the model's own weights, which eager paths still read.
     """
     import torch._inductor.config as inductor_config
+    dynamic = True if rows is None else None
+    if not needs_freezing(model):
+        return torch.compile(fn, fullgraph=True, dynamic=dynamic)
     options = dict(freezing=True, autotune_num_choices_displayed=0,
                    post_grad_custom_post_pass=weights_cache_key(model),
                    **(kernel_options(model, rows) if rows is not None else {}))
     # Dynamo reads the freezing flag while tracing, which happens inside calls (the first, and any
     # recompile): the settings hold during every call rather than globally.
-    return inductor_config.patch(options)(torch.compile(fn, fullgraph=True, dynamic=True if rows is None else None))
+    return inductor_config.patch(options)(torch.compile(fn, fullgraph=True, dynamic=dynamic))
 
 
 def weights_cache_key(model):

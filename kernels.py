@@ -26,8 +26,9 @@ from model import Transformer
 
 BLOCK = 32  # output columns per packed block (kernels.cpp)
 # compiling.py, for every module that calls these ops: inductor's C++ wrapper calls them more
-# slowly than its Python one does.
-INDUCTOR_HINTS = {"cpp_wrapper": False}
+# slowly than its Python one does, and freezing the weights gains nothing (they are packed already)
+# while it costs every warm start (compiling.needs_freezing).
+INDUCTOR_HINTS = {"cpp_wrapper": False, "freeze": False}
 # A compiled bf16 step of up to this many rows runs inductor's bf16 template, faster there than
 # the packed product (compiling.kernel_options; pack_for_cpu leaves such models unpacked).
 BF16_TEMPLATE_ROWS = 4

@@ -158,6 +158,28 @@ def test_packed_model_matches_transformers(family, isa, tmp_path):
         torch.testing.assert_close(model(ids, torch.arange(40)), hf(ids).logits, atol=1e-4, rtol=1e-4)
 
 
+def test_packed_model_compiles_from_the_cache_on_a_second_start(isa, tmp_path):
+    """A packed model's compiled step runs unfrozen (its products gain nothing from freezing), so a
+    second start of the same step is served from AOTAutograd's and inductor's on-disk caches (a
+    frozen graph bypasses them: every run compiled again), with the eager model's logits."""
+    from torch._dynamo.utils import counters
+    from compiling import compile_step, needs_freezing
+    model = load_model(save_and_convert(make_hf_model("llama31", seed=5), tmp_path))
+    assert needs_freezing(model)
+    model = kernels.pack_linears(model, isa)
+    assert not needs_freezing(model)
+    model.setup_caches(max_batch_size=1, max_seq_length=16)
+    x, pos = torch.tensor([[3]]), torch.tensor([4], dtype=torch.int)
+    with torch.no_grad():
+        eager = model(x, pos)
+        for _ in ("cold", "warm"):
+            torch._dynamo.reset()
+            counters.clear()
+            compiled = compile_step(lambda m, x, p: m(x, p), "cpu")(model, x, pos)
+            torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+
+
 def test_hooks_move_with_the_module(isa):
     """tp.py's collectives are forward hooks on the projections: packing keeps them."""
     linear = nn.Linear(8, 4)
