@@ -155,6 +155,7 @@ def brisk_checkpoint(model: Model, precision: str) -> Path:
 
 def llamacpp_tools(llamacpp_dir: Path) -> dict:
     tools = {"bench": llamacpp_dir / "build/bin/llama-bench", "quantize": llamacpp_dir / "build/bin/llama-quantize",
+             "simple": llamacpp_dir / "build/bin/llama-simple",
              "convert": llamacpp_dir / "src/convert_hf_to_gguf.py"}
     missing = [str(p) for p in tools.values() if not p.is_file()]
     if missing:
@@ -211,14 +212,20 @@ def measure_llamacpp(case: "Case", gguf: Path, tools: dict, threads: int) -> dic
         return json.loads(out), rss
 
     T, N = case.prompt_tokens, case.new_tokens
+    start_s = None
     if case.prompt == "short":
         rows, rss = bench("-p", str(T), "-n", str(N))
+        # Start: load the weights and answer a short prompt's first token, as brisk's start_s.
+        t0 = time.time()
+        run_checked([str(tools["simple"]), "-m", str(gguf), "-n", "1", "The capital of France is"])
+        start_s = time.time() - t0
         (pp,), (tg,) = [r for r in rows if r["n_gen"] == 0], [r for r in rows if r["n_gen"] > 0]
     else:
         (pp,), rss1 = bench("-p", str(T), "-n", "0")
         (tg,), rss2 = bench("-p", "0", "-n", str(N), "-d", str(T))
         rss = max(rss1 or 0, rss2 or 0) or None
     return dict(decode_tok_s=tg["avg_ts"], prefill_tok_s=pp["avg_ts"], ttft_s=T / pp["avg_ts"], peak_rss_mb=rss,
+                start_s=start_s,
                 bytes_per_token=pp["model_size"], build=f"{pp['build_number']} ({pp['build_commit']})")
 
 
@@ -285,7 +292,9 @@ def worker_brisk(spec: dict) -> dict:
     model.setup_caches(max_batch_size=1, max_seq_length=T + N)
     timer = TokenTimer(lambda: load.device_sync(device))
     t0 = time.perf_counter()
-    decode.generate(model, prompt[:SHORT_PROMPT], WARMUP_TOKENS, **fns)  # also compiles
+    token_times = []  # the warm-up's first token ends the start a user waits for
+    decode.generate(model, prompt[:SHORT_PROMPT], WARMUP_TOKENS, callback=lambda _: token_times.append(time.time()),
+                    **fns)  # also compiles
     warmup_s = time.perf_counter() - t0
     timer.start()
     out = decode.generate(model, prompt, N, callback=timer, **fns)
@@ -295,6 +304,7 @@ def worker_brisk(spec: dict) -> dict:
         nbytes -= tensor_bytes(list(embedding.parameters()) + list(embedding.buffers()))
     return dict(timer.summary(T), bytes_per_token=nbytes, tokens=out[0, T:T + 32].tolist(),
                 compile_s=warmup_s if spec["compile"] else None, activations=str(precision).removeprefix("torch."),
+                start_s=token_times[0] - spec["spawned_at"],
                 **device_memory(device))
 
 
@@ -391,6 +401,7 @@ def vm_hwm_mb(pid: int) -> Optional[float]:
 
 
 def run_worker(spec: dict) -> dict:
+    spec = dict(spec, spawned_at=time.time())  # start_s: from here to the first token, imports and loading included
     code, out, err, rss = run_child([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)])
     if code != 0:
         lines = err.strip().splitlines()
@@ -510,12 +521,15 @@ def summarize(case: Case, rounds: list, bandwidth: float) -> dict:
     decode = max(r["decode_tok_s"] for r in ok)
     nbytes = ok[0]["bytes_per_token"]
     compile_s = [r["compile_s"] for r in ok if r.get("compile_s") is not None]
+    start_s = [r["start_s"] for r in ok if r.get("start_s") is not None]
     return dict(out, decode_tok_s=decode, prefill_tok_s=max(r["prefill_tok_s"] for r in ok),
                 ttft_s=min(r["ttft_s"] for r in ok), peak_rss_mb=max(r["peak_rss_mb"] or 0 for r in ok) or None,
                 peak_gpu_mb=max(r.get("peak_gpu_mb") or 0 for r in ok) or None,
                 bytes_per_token=nbytes, bandwidth_gbps=nbytes * decode / 1e9,
                 roofline_fraction=nbytes * decode / 1e9 / bandwidth,
-                compile_s=min(compile_s) if compile_s else None, compile_s_max=max(compile_s) if compile_s else None)
+                compile_s=min(compile_s) if compile_s else None, compile_s_max=max(compile_s) if compile_s else None,
+                # The first round of a compiled case may compile cold; later rounds find the caches.
+                start_s=min(start_s) if start_s else None, start_s_max=max(start_s) if start_s else None)
 
 
 def run_benchmark(args) -> dict:
@@ -589,8 +603,8 @@ def format_table(report: dict) -> str:
              f"{report['roofline_gbps']:.1f} GB/s; best of {report['settings']['rounds']} round(s)"]
     memory = "peak_gpu_mb" if gpu else "peak_rss_mb"  # the memory that bounds the model size there
     header = (f"{'model':<10} {'prompt':<6} {'system':<21} {'prec':<5} {'decode':>7} {'prefill':>8} {'TTFT':>6} "
-              f"{'GPU' if gpu else 'RSS':>6} {'GB/s':>5} {'roof':>5} {'compile':>7}  brisk / peer (decode)")
-    lines += [header, f"{'':<51}{'tok/s':>7} {'tok/s':>8} {'s':>6} {'MB':>6}"]
+              f"{'GPU' if gpu else 'RSS':>6} {'GB/s':>5} {'roof':>5} {'compile':>7} {'start':>11}  brisk / peer (decode, prefill)")
+    lines += [header, f"{'':<51}{'tok/s':>7} {'tok/s':>8} {'s':>6} {'MB':>6} {'':>19} {'warm/cold s':>11}"]
     for r in results:
         head = f"{r['model']:<10} {r['prompt']:<6} {r['system']:<21} {r['precision']:<5}"
         if "error" in r:
@@ -601,11 +615,13 @@ def format_table(report: dict) -> str:
             for peer in ("transformers", "transformers-compile", "llama.cpp"):
                 p = peer_of(results, r, peer)
                 if p:
-                    ratios.append(f"{r['decode_tok_s'] / p['decode_tok_s']:.2f}x {peer}")
+                    ratios.append(f"{r['decode_tok_s'] / p['decode_tok_s']:.2f}x {peer}"
+                                  + (f" (prefill {r['prefill_tok_s'] / p['prefill_tok_s']:.2f}x)" if peer == "llama.cpp" else ""))
         compile_s = f"{r['compile_s']:.0f} s" if r["compile_s"] is not None else ""
+        start = f"{r['start_s']:.1f}/{r['start_s_max']:.1f}" if r.get("start_s") is not None else ""
         lines.append(f"{head} {r['decode_tok_s']:>7.1f} {r['prefill_tok_s']:>8.1f} {r['ttft_s']:>6.2f} "
                      f"{r.get(memory) or 0:>6.0f} {r['bandwidth_gbps']:>5.1f} {r['roofline_fraction']:>5.0%} "
-                     f"{compile_s:>7}  {', '.join(ratios)}")
+                     f"{compile_s:>7} {start:>11}  {', '.join(ratios)}")
     lines += agreement_lines(results)
     return "\n".join(lines)
 

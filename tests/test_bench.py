@@ -24,6 +24,8 @@ def test_bench_smoke(tmp_path):
     assert (result["prompt_tokens"], result["new_tokens"]) == (bench.SHORT_PROMPT, 4)
     for key in ("decode_tok_s", "prefill_tok_s", "ttft_s", "peak_rss_mb", "bandwidth_gbps", "roofline_fraction"):
         assert result[key] > 0, key
+    # The start (imports, loading, the first token) holds the time to the first token within it.
+    assert result["start_s"] > result["ttft_s"] and result["start_s_max"] >= result["start_s"]
     n_params = sum(p.numel() for p in make_hf_model("llama32").parameters())
     assert result["bytes_per_token"] == 4 * n_params  # fp32 weights, the tied output counted once
     assert len(result["rounds"]) == 1 and len(result["rounds"][0]["tokens"]) == 4
