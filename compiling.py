@@ -47,11 +47,14 @@ def compile_step(fn: Callable, device: str) -> Callable:
 def compile_prefill(fn: Callable, device: str) -> Callable:
     """torch.compile a prompt-sized step fn(model, x, ...): its length varies, so dynamic shapes.
 
-    On the CPU the weights are frozen too where the step needs it (needs_freezing): inductor repacks
-    them for oneDNN's products, several times faster than eager PyTorch's on a short prompt
-    (README, How it works), at the cost of that repacked copy in memory. There the first dimension of every tensor argument is a batch
+    On the CPU the weights are frozen too: inductor repacks them for oneDNN's products, several
+    times faster than eager PyTorch's on a short prompt (README, How it works), at the cost of
+    that repacked copy in memory. There the first dimension of every tensor argument is a batch
     whose size is left unbacked (unknown to the graph), so that one graph serves one prompt and
-    several: a batch of 1 would otherwise be a graph of its own, each a long compile.
+    several: a batch of 1 would otherwise be a graph of its own, each a long compile. A packed
+    model (not needs_freezing) runs its prompts eagerly: its products are kernels.cpp's either way,
+    and compiling would fuse only the work around them (5-15% of a prompt's time) for ~20 s of
+    every start (the dynamic-shape trace, which AOTAutograd's cache does not spare).
     """
     if device != "cpu":
         compiled = torch.compile(fn, fullgraph=True, dynamic=True)
@@ -60,12 +63,14 @@ def compile_prefill(fn: Callable, device: str) -> Callable:
             static_buffers(model)
             return compiled(model, *args, **kwargs)
         return step
-    steps = weakref.WeakKeyDictionary()  # model -> its frozen prefill
+    steps = weakref.WeakKeyDictionary()  # model -> its frozen prefill, or fn for a packed model
 
     def step(model, *args, **kwargs):
         f = steps.get(model)
         if f is None:
-            f = steps[model] = frozen_step(fn, model, rows=None)
+            f = steps[model] = frozen_step(fn, model, rows=None) if needs_freezing(model) else fn
+        if f is fn:
+            return fn(model, *args, **kwargs)
         static_buffers(model)
         for t in (*args, *kwargs.values()):
             if isinstance(t, torch.Tensor):

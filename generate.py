@@ -344,7 +344,8 @@ def parse_args(argv=None):
                    help=f"model.pth of a converted checkpoint (default: {DEFAULT_CHECKPOINT})")
     p.add_argument("--compile", action="store_true",
                    help="compile the decode step with torch.compile (with --prompts_file: prefill too)")
-    p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (dynamic shapes)")
+    p.add_argument("--compile_prefill", action="store_true",
+                   help="also compile prefill (dynamic shapes; a model packed for kernels.cpp prefills eagerly)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
                    help="weights and activations dtype (default: bfloat16 on CUDA, float16 on MPS, float32 on CPU)")
