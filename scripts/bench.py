@@ -203,7 +203,7 @@ def run_checked(cmd):
 
 def measure_llamacpp(case: "Case", gguf: Path, tools: dict, threads: int) -> dict:
     """Short: prefill of the short prompt and decode from it; long: prefill of the long prompt, then
-    decode at that depth (llama-bench measures each on its own, so two calls)."""
+    decode at that depth (two calls of llama-bench: each measures one)."""
     def bench(*flags):
         cmd = [str(tools["bench"]), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json", *flags]
         code, out, err, rss = run_child(cmd)
@@ -212,20 +212,25 @@ def measure_llamacpp(case: "Case", gguf: Path, tools: dict, threads: int) -> dic
         return json.loads(out), rss
 
     T, N = case.prompt_tokens, case.new_tokens
-    start_s = None
+    start_s, note = None, None
+    tg_depth = ("-d", str(T)) if case.prompt == "long" else ()
+    try:
+        (pp,), rss1 = bench("-p", str(T), "-n", "0")
+    except RuntimeError as e:
+        # Seen on an Intel Xeon with AMX: prompt processing on the weights llama.cpp repacks for
+        # its CPU kernels dies (SIGSEGV / SIGILL) while decode on them runs; its prefill is then
+        # measured on the weights as stored, and the decode stays the repacked (faster) one.
+        (pp,), rss1 = bench("-p", str(T), "-n", "0", "--repack", "0")
+        note = f"prefill with --repack 0 ({e})"
+    (tg,), rss2 = bench("-p", "0", "-n", str(N), *tg_depth)
+    rss = max(rss1 or 0, rss2 or 0) or None
     if case.prompt == "short":
-        rows, rss = bench("-p", str(T), "-n", str(N))
         # Start: load the weights and answer a short prompt's first token, as brisk's start_s.
         t0 = time.time()
-        run_checked([str(tools["simple"]), "-m", str(gguf), "-n", "1", "The capital of France is"])
-        start_s = time.time() - t0
-        (pp,), (tg,) = [r for r in rows if r["n_gen"] == 0], [r for r in rows if r["n_gen"] > 0]
-    else:
-        (pp,), rss1 = bench("-p", str(T), "-n", "0")
-        (tg,), rss2 = bench("-p", "0", "-n", str(N), "-d", str(T))
-        rss = max(rss1 or 0, rss2 or 0) or None
+        code, _, _, _ = run_child([str(tools["simple"]), "-m", str(gguf), "-n", "1", "The capital of France is"])
+        start_s = time.time() - t0 if code == 0 else None  # where prompt processing dies (above)
     return dict(decode_tok_s=tg["avg_ts"], prefill_tok_s=pp["avg_ts"], ttft_s=T / pp["avg_ts"], peak_rss_mb=rss,
-                start_s=start_s,
+                start_s=start_s, **({"note": note} if note else {}),
                 bytes_per_token=pp["model_size"], build=f"{pp['build_number']} ({pp['build_commit']})")
 
 
