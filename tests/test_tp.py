@@ -145,8 +145,8 @@ def test_generate_cli_under_torchrun(checkpoints, capsys):
 def test_engine_under_torchrun(checkpoints, tmp_path, capsys, compile):
     """generate.py --prompts_file under torchrun: every rank runs the engine's schedule on its shard;
     the JSONL equals the single process's, sampled prompts included, written once. Compiled too
-    (against the compiled single process): the frozen decode and prefill graphs with the
-    collectives in them."""
+    (against the compiled single process): the decode graph with the collectives in it (frozen, and
+    a compiled prefill too, where the model is not packed for kernels.cpp)."""
     # int8: decisive logits (a random MoE's router has near-ties). Compiled, fp32: the compiled int8
     # step gives another token at the 5th of the long prompt's 7 under 2 ranks than in one process
     # (with eager prefill too; open, README Tensor parallelism).
