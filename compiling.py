@@ -32,14 +32,15 @@ def compile_step(fn: Callable, device: str) -> Callable:
         return torch.compile(fn, fullgraph=True)
     import torch._inductor.inductor_prims  # noqa: F401  (model.in_memory's prim)
     # model -> {rows: its step}: frozen weights are part of the graph, and which GEMM kernels may
-    # run depends on the products' rows (kernel_options).
+    # run depends on the products' rows (kernel_options). A packed model compiles unfrozen.
     steps = weakref.WeakKeyDictionary()
 
     def step(model, x, *args, **kwargs):
         rows, by_rows = x.numel(), steps.setdefault(model, {})
         f = by_rows.get(rows)
         if f is None:
-            f = by_rows[rows] = frozen_step(fn, model, rows)
+            f = by_rows[rows] = frozen_step(fn, model, rows) if needs_freezing(model) else \
+                torch.compile(fn, fullgraph=True)
         return f(model, x, *args, **kwargs)
     return step
 
@@ -109,22 +110,19 @@ def needs_freezing(model) -> bool:
 
 
 def frozen_step(fn: Callable, model, rows: Optional[int]) -> Callable:
-    """fn compiled for the CPU with the model's weights frozen (where needs_freezing), for inputs
-    of `rows` tokens, or of any number (None: dynamic shapes, and inductor's default products, as
-    its GEMM template and kernel_options are for static ones).
+    """fn compiled for the CPU with the model's weights frozen, for inputs of `rows` tokens, or of
+    any number (None: dynamic shapes, and inductor's default products, as its GEMM template and
+    kernel_options are for static ones).
 
     The repacked copy stays beside the model's own weights, which eager paths still read.
     """
     import torch._inductor.config as inductor_config
-    dynamic = True if rows is None else None
-    if not needs_freezing(model):
-        return torch.compile(fn, fullgraph=True, dynamic=dynamic)
     options = dict(freezing=True, autotune_num_choices_displayed=0,
                    post_grad_custom_post_pass=weights_cache_key(model),
                    **(kernel_options(model, rows) if rows is not None else {}))
     # Dynamo reads the freezing flag while tracing, which happens inside calls (the first, and any
     # recompile): the settings hold during every call rather than globally.
-    return inductor_config.patch(options)(torch.compile(fn, fullgraph=True, dynamic=dynamic))
+    return inductor_config.patch(options)(torch.compile(fn, fullgraph=True, dynamic=True if rows is None else None))
 
 
 def weights_cache_key(model):
