@@ -211,22 +211,22 @@ def measure_llamacpp(case: "Case", gguf: Path, tools: dict, threads: int) -> dic
             raise RuntimeError(f"llama-bench failed (exit {code}): {err.strip().splitlines()[-1:]}")
         return json.loads(out), rss
 
-    T, N = case.prompt_tokens, case.new_tokens
-    start_s, note = None, None
-    tg_depth = ("-d", str(T)) if case.prompt == "long" else ()
-    try:
-        (pp,), rss1 = bench("-p", str(T), "-n", "0")
-    except RuntimeError as e:
+    stored = []  # the measurements that fell back to the weights as stored
+
+    def bench_or_stored(what, *flags):
         # Seen on an Intel Xeon with AMX: prompt processing on the weights llama.cpp repacks for
-        # its CPU kernels dies (SIGSEGV / SIGILL) while decode on them runs; its prefill is then
-        # measured on the weights as stored, and the decode stays the repacked (faster) one.
-        (pp,), rss1 = bench("-p", str(T), "-n", "0", "--repack", "0")
-        note = f"prefill with --repack 0 ({e})"
-    try:
-        (tg,), rss2 = bench("-p", "0", "-n", str(N), *tg_depth)
-    except RuntimeError as e:  # the same, where decode at a depth first processes that many tokens
-        (tg,), rss2 = bench("-p", "0", "-n", str(N), *tg_depth, "--repack", "0")
-        note = f"decode and prefill with --repack 0 ({e})"
+        # its CPU kernels dies (SIGSEGV / SIGILL) while decode on them runs. A call that processes
+        # a prompt (prefill, decode at a depth) then runs on the weights as stored, slower.
+        try:
+            return bench(*flags)
+        except RuntimeError as e:
+            stored.append(f"{what} ({e})")
+            return bench(*flags, "--repack", "0")
+
+    T, N = case.prompt_tokens, case.new_tokens
+    start_s = None
+    (pp,), rss1 = bench_or_stored("prefill", "-p", str(T), "-n", "0")
+    (tg,), rss2 = bench_or_stored("decode", "-p", "0", "-n", str(N), *(("-d", str(T)) if case.prompt == "long" else ()))
     rss = max(rss1 or 0, rss2 or 0) or None
     if case.prompt == "short":
         # Start: load the weights and answer a short prompt's first token, as brisk's start_s.
@@ -234,7 +234,7 @@ def measure_llamacpp(case: "Case", gguf: Path, tools: dict, threads: int) -> dic
         code, _, _, _ = run_child([str(tools["simple"]), "-m", str(gguf), "-n", "1", "The capital of France is"])
         start_s = time.time() - t0 if code == 0 else None  # where prompt processing dies (above)
     return dict(decode_tok_s=tg["avg_ts"], prefill_tok_s=pp["avg_ts"], ttft_s=T / pp["avg_ts"], peak_rss_mb=rss,
-                start_s=start_s, **({"note": note} if note else {}),
+                start_s=start_s, **({"note": "with --repack 0: " + ", ".join(stored)} if stored else {}),
                 bytes_per_token=pp["model_size"], build=f"{pp['build_number']} ({pp['build_commit']})")
 
 
@@ -614,7 +614,8 @@ def format_table(report: dict) -> str:
              f"{report['roofline_gbps']:.1f} GB/s; best of {report['settings']['rounds']} round(s)"]
     memory = "peak_gpu_mb" if gpu else "peak_rss_mb"  # the memory that bounds the model size there
     header = (f"{'model':<10} {'prompt':<6} {'system':<21} {'prec':<5} {'decode':>7} {'prefill':>8} {'TTFT':>6} "
-              f"{'GPU' if gpu else 'RSS':>6} {'GB/s':>5} {'roof':>5} {'compile':>7} {'start':>11}  brisk / peer (decode, prefill)")
+              f"{'GPU' if gpu else 'RSS':>6} {'GB/s':>5} {'roof':>5} {'compile':>7} {'start':>11}  "
+              "brisk / peer (decode, prefill)")
     lines += [header, f"{'':<51}{'tok/s':>7} {'tok/s':>8} {'s':>6} {'MB':>6} {'':>19} {'warm/cold s':>11}"]
     for r in results:
         head = f"{r['model']:<10} {r['prompt']:<6} {r['system']:<21} {r['precision']:<5}"
@@ -626,8 +627,9 @@ def format_table(report: dict) -> str:
             for peer in ("transformers", "transformers-compile", "llama.cpp"):
                 p = peer_of(results, r, peer)
                 if p:
-                    ratios.append(f"{r['decode_tok_s'] / p['decode_tok_s']:.2f}x {peer}"
-                                  + (f" (prefill {r['prefill_tok_s'] / p['prefill_tok_s']:.2f}x)" if peer == "llama.cpp" else ""))
+                    pp = r["prefill_tok_s"] / p["prefill_tok_s"]
+                    prefill = f" (prefill {pp:.2f}x)" if peer == "llama.cpp" else ""
+                    ratios.append(f"{r['decode_tok_s'] / p['decode_tok_s']:.2f}x {peer}{prefill}")
         compile_s = f"{r['compile_s']:.0f} s" if r["compile_s"] is not None else ""
         start = f"{r['start_s']:.1f}/{r['start_s_max']:.1f}" if r.get("start_s") is not None else ""
         lines.append(f"{head} {r['decode_tok_s']:>7.1f} {r['prefill_tok_s']:>8.1f} {r['ttft_s']:>6.2f} "
