@@ -2,10 +2,10 @@
 """How a decode-sized step is compiled for a device: one function, `compile_step`.
 
 CUDA: CUDA graphs (one launch per step). CPU: a model whose products are kernels.cpp's (packed
-at load time: kernels.py, quantized.py) compiles as it is, and a second run finds the whole
-compile in inductor's on-disk cache. Other models' weights are frozen into the graph so inductor
-repacks them once for its GEMM kernels, whose matrix-vector products use every core (eager
-PyTorch's run on one). Which kernels inductor may pick is asked of the model's modules
+at load time: kernels.py, quantized.py) compiles as it is, for caches of any length, and a second
+run finds the whole compile in inductor's on-disk cache. Other models' weights are frozen into the
+graph so inductor repacks them once for its GEMM kernels, whose matrix-vector products use every
+core (eager PyTorch's run on one). Which kernels inductor may pick is asked of the model's modules
 (`inductor_hints`, declared by kernels.py's and quantized.py's modules); nothing here knows
 their classes.
 """
@@ -18,7 +18,7 @@ from torch import nn
 
 from kernels import BF16_TEMPLATE_ROWS
 from load import weights
-from model import MoEFeedForward
+from model import KVCache, MoEFeedForward
 
 
 def compile_step(fn: Callable, device: str) -> Callable:
@@ -39,10 +39,45 @@ def compile_step(fn: Callable, device: str) -> Callable:
         rows, by_rows = x.numel(), steps.setdefault(model, {})
         f = by_rows.get(rows)
         if f is None:
-            f = by_rows[rows] = frozen_step(fn, model, rows) if needs_freezing(model) else \
-                torch.compile(fn, fullgraph=True)
+            f = by_rows[rows] = frozen_step(fn, model, rows) if needs_freezing(model) else unfrozen_step(fn)
         return f(model, x, *args, **kwargs)
     return step
+
+
+def unfrozen_step(fn: Callable) -> Callable:
+    """fn compiled for a packed CPU model (weights as they are), for caches of any length: one graph,
+    so that a second run with another prompt or --max_new_tokens (another cache size) finds it in
+    the on-disk caches rather than compiling for a minute. dynamo keeps every module buffer's shape
+    static unless told otherwise, and would make any shape that changes between calls dynamic on its
+    own (a draft model's weights beside the target's): only the marked sequence dimensions are.
+    The graph's wrapper skips its size asserts (a few hundred calls a step: a visible part of a small
+    model's)."""
+    import torch._inductor.config as inductor_config
+    compiled = inductor_config.patch(size_asserts=False, alignment_asserts=False, scalar_asserts=False)(
+        torch.compile(fn, fullgraph=True))
+    dynamo = dict(force_parameter_static_shapes=False, force_nn_module_property_static_shapes=False,
+                  automatic_dynamic_shapes=False)
+    marked = weakref.WeakKeyDictionary()  # model -> the RoPE table of the caches marked (setup_caches makes new ones)
+
+    def step(model, *args, **kwargs):
+        if marked.get(model) is not model.rope_cos_sin:
+            sequence_dims_dynamic(model)
+            marked[model] = model.rope_cos_sin
+        with torch._dynamo.config.patch(dynamo):  # dynamo reads these while tracing, inside a call
+            return compiled(model, *args, **kwargs)
+    return step
+
+
+def sequence_dims_dynamic(model):
+    """Mark the positions dimension of the model's KV caches and RoPE tables dynamic (a cache of
+    one position stays static: dynamo specialises sizes 0 and 1)."""
+    for module in model.modules():
+        if isinstance(module, KVCache):
+            torch._dynamo.maybe_mark_dynamic(module.k_cache, 2)
+            torch._dynamo.maybe_mark_dynamic(module.v_cache, 2)
+    for table in (model.rope_cos_sin, getattr(model, "rope_local_cos_sin", None)):
+        if table is not None:
+            torch._dynamo.maybe_mark_dynamic(table, 0)
 
 
 def compile_prefill(fn: Callable, device: str) -> Callable:

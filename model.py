@@ -244,6 +244,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = -1
         self.max_seq_length = -1
+        self.register_buffer("rope_cos_sin", None, persistent=False)  # setup_caches makes it
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None, device=None):
         """Allocate the static KV cache and the RoPE tables for up to max_seq_length positions."""
@@ -291,7 +292,7 @@ class Transformer(nn.Module):
         positions are arange(T), so attention needs nothing from the cache and runs as SDPA's
         causal kernel over the prompt, cheaper than a mask over the cache.
         """
-        if self.max_seq_length < 0:
+        if self.rope_cos_sin is None:  # not the int: a compiled step would be specialised to its value
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before the forward pass")
         c = self.config
         rope = self.rope_cos_sin[input_pos]  # (T, rope_dim, 2) or (B, T, rope_dim, 2)
@@ -325,7 +326,8 @@ class Transformer(nn.Module):
         if from_start and (window is None or T <= window) and c.attn_logit_softcap is None:
             return None
         # Key position j is visible from query position i when j <= i (and within the window).
-        k_pos = torch.arange(kv_len or self.max_seq_length, device=input_pos.device)
+        # The cache's length read from a tensor, not the int attribute: a compiled step may leave it dynamic.
+        k_pos = torch.arange(kv_len or self.rope_cos_sin.shape[0], device=input_pos.device)
         q_pos = input_pos[..., None]  # (T, 1) or (B, T, 1)
         mask = k_pos <= q_pos  # (T, S) or (B, T, S)
         if window is not None:

@@ -161,23 +161,44 @@ def test_packed_model_matches_transformers(family, isa, tmp_path):
 def test_packed_model_compiles_from_the_cache_on_a_second_start(isa, tmp_path):
     """A packed model's compiled step runs unfrozen (its products gain nothing from freezing), so a
     second start of the same step is served from AOTAutograd's and inductor's on-disk caches (a
-    frozen graph bypasses them: every run compiled again), with the eager model's logits."""
+    frozen graph bypasses them: every run compiled again), with the eager model's logits; also when
+    the second run's cache has another length (another prompt or --max_new_tokens)."""
     from torch._dynamo.utils import counters
     from compiling import compile_step, needs_freezing
     model = load_model(save_and_convert(make_hf_model("llama31", seed=5), tmp_path))
     assert needs_freezing(model)
     model = kernels.pack_linears(model, isa)
     assert not needs_freezing(model)
-    model.setup_caches(max_batch_size=1, max_seq_length=16)
     x, pos = torch.tensor([[3]]), torch.tensor([4], dtype=torch.int)
     with torch.no_grad():
-        eager = model(x, pos)
-        for _ in ("cold", "warm"):
+        for start, cache_length in (("cold", 16), ("warm", 40)):
+            model.setup_caches(max_batch_size=1, max_seq_length=cache_length)  # zeros: the same cache contents
+            eager = model(x, pos)
             torch._dynamo.reset()
             counters.clear()
             compiled = compile_step(lambda m, x, p: m(x, p), "cpu")(model, x, pos)
             torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+
+
+def test_packed_model_decodes_any_cache_length_with_one_graph(tmp_path):
+    """Generations whose caches differ in length (prompt + new tokens) share the compiled step's one
+    graph, token for token as eager, also after a cache grows."""
+    from torch._dynamo.utils import counters
+    from compiling import compile_step
+    from decode import decode_one_token, generate
+    if kernels.best_isa() == "":
+        pytest.skip("kernels.cpp has no code for this CPU")
+    model = kernels.pack_for_cpu(load_model(save_and_convert(make_hf_model("llama31", seed=6), tmp_path)))
+    decode_fn = compile_step(decode_one_token, "cpu")
+    torch._dynamo.reset()
+    counters.clear()
+    for prompt_len, new_tokens in ((4, 6), (9, 12), (3, 30)):
+        prompt = torch.arange(5, 5 + prompt_len)
+        eager = generate(model, prompt, new_tokens)
+        compiled = generate(model, prompt, new_tokens, decode_fn=decode_fn)
+        assert compiled.tolist() == eager.tolist(), (prompt_len, new_tokens)
+    assert counters["stats"]["unique_graphs"] == 1, f"{counters['stats']['unique_graphs']} graphs for three cache lengths"
 
 
 def test_hooks_move_with_the_module(isa):
