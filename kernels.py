@@ -89,13 +89,45 @@ def register_fake():
         return packed.new_empty(*idx.shape, dim)
 
 
+def release_pages(t: Tensor) -> None:
+    """Give the OS back the memory pages of `t`, a tensor of a memory-mapped checkpoint that was read
+    (never written) and replaced by a copy (kernels.py's packed weights): the checkpoint's mapping
+    keeps every page it read resident until the file's last tensor goes, so the original and its
+    copy would both count, twice the weights at the peak. A page touched again is read back from
+    the file. Only pages wholly inside `t` and inside a private file mapping are given back (on
+    anonymous memory MADV_DONTNEED would zero them); elsewhere, and off Linux, nothing happens."""
+    if t.device.type != "cpu" or not sys.platform.startswith("linux") or not t.is_contiguous():
+        return
+    import ctypes
+    import mmap
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last <= first or not in_file_mapping(first, last):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+
+
+def in_file_mapping(start: int, end: int) -> bool:
+    """Whether [start, end) lies in one private mapping of a file (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(a, 16) for a in fields[0].split("-"))
+            if lo <= start and end <= hi:  # fields: range, perms, offset, device, inode, path
+                return fields[1].endswith("p") and fields[4] != "0" and len(fields) > 5
+    return False
+
+
 def pack(w: Tensor, k_multiple: int = 1) -> Tensor:
     """[N, K] -> [ceil(N / 32), K, 32] (K padded with zeros to k_multiple): each block of 32 output
     columns one stream over k."""
     N, K = w.shape
-    padded = torch.zeros(-(-N // BLOCK) * BLOCK, -(-K // k_multiple) * k_multiple, dtype=w.dtype)
-    padded[:N, :K] = w
-    return padded.view(-1, BLOCK, padded.shape[1]).transpose(1, 2).contiguous()
+    if N % BLOCK or K % k_multiple:  # the padded copy; otherwise the one copy is the packed weight
+        padded = torch.zeros(-(-N // BLOCK) * BLOCK, -(-K // k_multiple) * k_multiple, dtype=w.dtype)
+        padded[:N, :K] = w
+        w = padded
+    return w.view(-1, BLOCK, w.shape[1]).transpose(1, 2).contiguous()
 
 
 def pack_int8(weight: Tensor, scales: Tensor, isa: str) -> tuple:
@@ -127,6 +159,9 @@ def pack_int4(codes: Tensor, scales_and_zeros: Tensor, isa: str) -> tuple:
 
 def pack_bf16(w: Tensor) -> Tensor:
     """bf16 [N, K] -> [N / 32, K / 2, 32, 2] (K padded to even): the pairs vdpbf16ps multiplies."""
+    N, K = w.shape
+    if N % BLOCK == 0 and K % 2 == 0:  # in one copy: [N / 32, 32, K / 2, 2] -> [N / 32, K / 2, 32, 2]
+        return w.view(N // BLOCK, BLOCK, K // 2, 2).transpose(1, 2).contiguous()
     return interleave(pack(w, k_multiple=2), 2)
 
 
@@ -207,6 +242,7 @@ def pack_linears(model: Transformer, isa: Optional[str] = None) -> Transformer:
         for child_name, child in list(module.named_children()):
             if type(child) is nn.Linear and child.weight.dtype in dtypes:
                 setattr(module, child_name, PackedLinear(child, isa))
+                release_pages(child.weight)  # one copy resident at a time, not the checkpoint's beside the packed
     if tied and isinstance(model.output, PackedLinear):
         model.tok_embeddings = PackedEmbedding(model.output)
     # load_model maps the checkpoint file into memory, and the mapping stays while any tensor of it

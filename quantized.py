@@ -207,7 +207,9 @@ class Int8Linear(nn.Module):
         if self.kernel == "packed":
             self.isa = kernels.best_isa()
             kernels.register_fake()
-            self.weight, self.scales = kernels.pack_int8(self.weight, self.scales, self.isa)
+            stored = self.weight
+            self.weight, self.scales = kernels.pack_int8(stored, self.scales, self.isa)
+            kernels.release_pages(stored)
         else:
             self.scales = self.scales.to(KERNEL_DTYPE if self.kernel == "cpu" else precision)
 
@@ -255,8 +257,10 @@ class Int4Linear(nn.Module):
         if self.kernel == "packed":
             self.isa = kernels.best_isa()
             kernels.register_fake()
-            self.weight, self.scales_and_zeros = kernels.pack_int4(unpack_int4(self.weight), self.scales_and_zeros,
+            stored = self.weight
+            self.weight, self.scales_and_zeros = kernels.pack_int4(unpack_int4(stored), self.scales_and_zeros,
                                                                    self.isa)
+            kernels.release_pages(stored)
             return
         self.weight = pack_int4(self.weight, self.kernel)
         self.scales_and_zeros = self.scales_and_zeros.to(precision if self.kernel == "dequant" else KERNEL_DTYPE)

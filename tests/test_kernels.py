@@ -229,3 +229,27 @@ def test_no_compiler_means_pytorch_products(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["''", "Linear"]
     assert "kernels.cpp could not be built" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_release_pages_of_a_mapped_checkpoint(tmp_path):
+    """Packing copies each weight: the checkpoint's memory-mapped original gives its pages back at
+    once (read again from the file if touched, so its values stay), while a tensor in anonymous
+    memory is left alone (there the kernel would zero the pages)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("madvise on Linux only")
+
+    def resident_file_mb():
+        status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+        return int(status["RssFile"].split()[0]) / 1024
+
+    torch.save({"w": torch.randn(64, 2**18)}, tmp_path / "w.pth")  # 64 MiB
+    w = torch.load(tmp_path / "w.pth", mmap=True, weights_only=True)["w"]
+    total = w.sum().item()  # reads every page
+    before = resident_file_mb()
+    kernels.release_pages(w)
+    assert before - resident_file_mb() > 60
+    assert w.sum().item() == total
+    anonymous = torch.randn(2**20)
+    total = anonymous.sum().item()
+    kernels.release_pages(anonymous)
+    assert anonymous.sum().item() == total
