@@ -127,7 +127,7 @@ def pack(w: Tensor, k_multiple: int = 1) -> Tensor:
         padded = torch.zeros(-(-N // BLOCK) * BLOCK, -(-K // k_multiple) * k_multiple, dtype=w.dtype)
         padded[:N, :K] = w
         w = padded
-    return w.view(-1, BLOCK, w.shape[1]).transpose(1, 2).contiguous()
+    return w.reshape(-1, BLOCK, w.shape[1]).transpose(1, 2).contiguous()
 
 
 def pack_int8(weight: Tensor, scales: Tensor, isa: str) -> tuple:
@@ -161,7 +161,7 @@ def pack_bf16(w: Tensor) -> Tensor:
     """bf16 [N, K] -> [N / 32, K / 2, 32, 2] (K padded to even): the pairs vdpbf16ps multiplies."""
     N, K = w.shape
     if N % BLOCK == 0 and K % 2 == 0:  # in one copy: [N / 32, 32, K / 2, 2] -> [N / 32, K / 2, 32, 2]
-        return w.view(N // BLOCK, BLOCK, K // 2, 2).transpose(1, 2).contiguous()
+        return w.reshape(N // BLOCK, BLOCK, K // 2, 2).transpose(1, 2).contiguous()
     return interleave(pack(w, k_multiple=2), 2)
 
 
