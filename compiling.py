@@ -16,9 +16,12 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from kernels import BF16_TEMPLATE_ROWS
 from load import weights
 from model import KVCache, MoEFeedForward
+
+# An unpacked bf16 step of up to this many rows runs inductor's bf16 template, faster there than
+# oneDNN's products (kernel_options; the command lines pack bf16 models where kernels.cpp can).
+BF16_TEMPLATE_ROWS = 4
 
 
 def compile_step(fn: Callable, device: str) -> Callable:

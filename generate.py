@@ -207,10 +207,7 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
     torch.manual_seed(seed)
 
     t0 = time.perf_counter()
-    # The compiled steps' rows: the engine's slots, the batch, or a speculative verify of k + 1.
-    rows = max(max_batch_size if prompts_file else batch_size,
-               speculate_k + 1 if draft_checkpoint_path is not None or speculate_ngram is not None else 1)
-    model = pack_for_cpu(load_model(checkpoint_path, device, dtype, tp=dist), rows if compile else None)
+    model = pack_for_cpu(load_model(checkpoint_path, device, dtype, tp=dist))
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     check_vocab(tokenizer, model.config.vocab_size, Path(checkpoint_path).parent)
     device_sync(device)
@@ -232,8 +229,7 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
     if draft_checkpoint_path is not None or speculate_ngram is not None:
         draft = None
         if draft_checkpoint_path is not None:
-            draft = pack_for_cpu(speculative.load_draft(draft_checkpoint_path, model, tokenizer, device, dtype),
-                                 1 if compile else None)
+            draft = pack_for_cpu(speculative.load_draft(draft_checkpoint_path, model, tokenizer, device, dtype))
             log(f"Loaded draft {draft_checkpoint_path} ({model_bytes(draft) / 1e6:.0f} MB of weights)")
         accepted = []
         generate_fn = functools.partial(

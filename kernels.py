@@ -22,16 +22,13 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from model import Transformer
+from model import FeedForward, Transformer
 
 BLOCK = 32  # output columns per packed block (kernels.cpp)
 # compiling.py, for every module that calls these ops: inductor's C++ wrapper calls them more
 # slowly than its Python one does, and freezing the weights gains nothing (they are packed already)
 # while it costs every warm start (compiling.needs_freezing).
 INDUCTOR_HINTS = {"cpp_wrapper": False, "freeze": False}
-# A compiled bf16 step of up to this many rows runs inductor's bf16 template, faster there than
-# the packed product (compiling.kernel_options; pack_for_cpu leaves such models unpacked).
-BF16_TEMPLATE_ROWS = 4
 
 
 @functools.cache
@@ -178,14 +175,25 @@ class PackedLinear(nn.Module):
 
     inductor_hints = INDUCTOR_HINTS
 
-    def __init__(self, linear: nn.Linear, isa: str):
+    def __init__(self, linear: nn.Linear, isa: str, packed: Optional[Tensor] = None):
+        """packed: the weight packed already (concat); None: pack linear's."""
         super().__init__()
         register_fake()
         self.in_features, self.out_features, self.isa = linear.in_features, linear.out_features, isa
-        w = linear.weight.detach()
-        self.register_buffer("packed", pack_bf16(w) if w.dtype == torch.bfloat16 else pack(w))
+        if packed is None:
+            w = linear.weight.detach()
+            packed = pack_bf16(w) if w.dtype == torch.bfloat16 else pack(w)
+        self.register_buffer("packed", packed)
         self.bias = linear.bias
         self._forward_pre_hooks, self._forward_hooks = linear._forward_pre_hooks, linear._forward_hooks  # tp.py's
+
+    def concat(self, other: "PackedLinear") -> Optional["PackedLinear"]:
+        """One product for self's and other's outputs (the same input): the blocks of 32 output
+        columns of both, one after the other. None where self's outputs end inside a block."""
+        if self.isa != other.isa or not concatenable(self, other, self.packed, other.packed):
+            return None
+        shape = nn.Linear(self.in_features, self.out_features + other.out_features, bias=False, device="meta")
+        return PackedLinear(shape, self.isa, torch.cat([self.packed, other.packed]))
 
     def forward(self, x: Tensor) -> Tensor:
         if self.packed.dtype == torch.bfloat16:
@@ -193,6 +201,43 @@ class PackedLinear(nn.Module):
         else:
             y = torch.ops.brisk.packed_linear(x, self.packed, self.out_features, self.isa)
         return y if self.bias is None else y + self.bias
+
+
+def concatenable(a: nn.Module, b: nn.Module, wa: Tensor, wb: Tensor) -> bool:
+    """Whether layers a and b, with weights wa and wb packed here (blocks of 32 output features
+    first), can be one layer whose weight is wa then wb: a's outputs fill whole blocks, neither has
+    a bias, and the blocks have one shape and dtype."""
+    return (a.out_features % BLOCK == 0 and a.bias is None and b.bias is None and wa.shape[1:] == wb.shape[1:]
+            and wa.dtype == wb.dtype)
+
+
+class PackedFeedForward(nn.Module):
+    """model.FeedForward with w1 and w3, which read the same x, as one packed product of twice the
+    outputs: one call and (int8 / int4) one rounding of x instead of two. A small model's products
+    take longer than their bytes alone would (README, Benchmarks): fewer, larger ones pay."""
+
+    def __init__(self, ff: FeedForward, w13: nn.Module):
+        super().__init__()
+        self.w13, self.w2, self.act, self.hidden = w13, ff.w2, ff.act, ff.w1.out_features
+        self._forward_pre_hooks, self._forward_hooks = ff._forward_pre_hooks, ff._forward_hooks  # tp.py's
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.hidden, dim=-1)
+        return self.w2(self.act(gate) * up)
+
+
+def fuse_feed_forwards(model: Transformer) -> None:
+    """Each FeedForward whose w1 and w3 are packed modules that concatenate (`concat`: PackedLinear,
+    quantized.py's packed int8 / int4 layers) -> PackedFeedForward, in place."""
+    for layer in model.layers:
+        ff = layer.feed_forward
+        if type(ff) is not FeedForward or type(ff.w1) is not type(ff.w3) or not hasattr(ff.w1, "concat"):
+            continue
+        if ff.w1._forward_hooks or ff.w1._forward_pre_hooks or ff.w3._forward_hooks or ff.w3._forward_pre_hooks:
+            continue
+        w13 = ff.w1.concat(ff.w3)
+        if w13 is not None:
+            layer.feed_forward = PackedFeedForward(ff, w13)
 
 
 class PackedEmbedding(nn.Module):
@@ -221,14 +266,8 @@ def can_pack(model: Transformer) -> bool:
     return w.device.type == "cpu" and w.dtype in packable_dtypes()
 
 
-def pack_for_cpu(model: Transformer, compiled_rows: Optional[int] = None) -> Transformer:
-    """What the command lines call after loading: the model packed where kernels.cpp serves it.
-    compiled_rows: the most rows a compiled step of the model will take (None: not compiled). A
-    bf16 model whose compiled steps all take up to 4 rows stays unpacked: compiling.kernel_options
-    gives those inductor's bf16 template, faster at one row than the packed product (README, Many
-    streams)."""
-    if model.norm.weight.dtype == torch.bfloat16 and compiled_rows is not None and compiled_rows <= BF16_TEMPLATE_ROWS:
-        return model
+def pack_for_cpu(model: Transformer) -> Transformer:
+    """What the command lines call after loading: the model packed where kernels.cpp serves it."""
     return pack_linears(model) if can_pack(model) else model
 
 
@@ -245,6 +284,7 @@ def pack_linears(model: Transformer, isa: Optional[str] = None) -> Transformer:
                 release_pages(child.weight)  # one copy resident at a time, not the checkpoint's beside the packed
     if tied and isinstance(model.output, PackedLinear):
         model.tok_embeddings = PackedEmbedding(model.output)
+    fuse_feed_forwards(model)
     # load_model maps the checkpoint file into memory, and the mapping stays while any tensor of it
     # lives: copy out the few left (norms, an untied embedding) so that the file's pages, the
     # unpacked weights among them, leave the process.

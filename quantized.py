@@ -213,6 +213,17 @@ class Int8Linear(nn.Module):
         else:
             self.scales = self.scales.to(KERNEL_DTYPE if self.kernel == "cpu" else precision)
 
+    def concat(self, other: "Int8Linear") -> Optional["Int8Linear"]:
+        """kernels.fuse_feed_forwards: one layer for self's and other's outputs (the same input),
+        where both are packed by kernels.cpp and self's outputs fill whole blocks of 32."""
+        if not packed_side_by_side(self, other):
+            return None
+        with torch.device("meta"):
+            fused = Int8Linear(self.in_features, self.out_features + other.out_features, bias=False)
+        fused.weight, fused.scales = torch.cat([self.weight, other.weight]), torch.cat([self.scales, other.scales])
+        fused.kernel, fused.isa = "packed", self.isa
+        return fused
+
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel == "packed":
             y = torch.ops.brisk.packed_linear_int8(x.float(), self.weight, self.scales, self.out_features,
@@ -265,6 +276,20 @@ class Int4Linear(nn.Module):
         self.weight = pack_int4(self.weight, self.kernel)
         self.scales_and_zeros = self.scales_and_zeros.to(precision if self.kernel == "dequant" else KERNEL_DTYPE)
 
+    def concat(self, other: "Int4Linear") -> Optional["Int4Linear"]:
+        """As Int8Linear.concat (the same groups of input features)."""
+        if not packed_side_by_side(self, other) or other.groupsize != self.groupsize \
+                or other.scales_and_zeros.shape[1:] != self.scales_and_zeros.shape[1:]:
+            return None
+        padded_in_features = self.scales_and_zeros.shape[1] * self.groupsize  # packed [N / 32, groups, 2, 32]
+        with torch.device("meta"):
+            fused = Int4Linear(self.in_features, self.out_features + other.out_features, False, self.groupsize,
+                               padded_in_features)
+        fused.weight = torch.cat([self.weight, other.weight])
+        fused.scales_and_zeros = torch.cat([self.scales_and_zeros, other.scales_and_zeros])
+        fused.kernel, fused.isa = "packed", self.isa
+        return fused
+
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel == "packed":
             y = torch.ops.brisk.packed_linear_int4(x.float(), self.weight, self.scales_and_zeros, self.out_features,
@@ -274,6 +299,11 @@ class Int4Linear(nn.Module):
                             self.kernel)
             y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+def packed_side_by_side(a: nn.Module, b: nn.Module) -> bool:
+    """Whether two quantized layers packed by kernels.cpp for one ISA can be one (kernels.concatenable)."""
+    return a.kernel == b.kernel == "packed" and a.isa == b.isa and kernels.concatenable(a, b, a.weight, b.weight)
 
 
 class Int8Embedding(nn.Module):

@@ -488,7 +488,7 @@ def main(checkpoint_path: Optional[Path], host: str, port: int, api_key: Optiona
         check_port(host, port)
     dtype = PRECISIONS[precision] if precision else default_precision(device)
     t0 = time.perf_counter()
-    model = pack_for_cpu(load_model(checkpoint_path, device, dtype, tp=dist), max_batch_size if compile else None)
+    model = pack_for_cpu(load_model(checkpoint_path, device, dtype, tp=dist))
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     max_seq_length = max_seq_length or min(model.config.block_size, 4096)
     engine = Engine(model, tokenizer, max_batch_size, max_seq_length, prefill_chunk, compile, seed,

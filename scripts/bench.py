@@ -290,7 +290,7 @@ def worker_brisk(spec: dict) -> dict:
     device = spec["device"]
     precision = getattr(torch, spec["dtype"]) if spec["dtype"] else load.default_precision(device)
     # as generate.py does (batch 1)
-    model = pack_for_cpu(load.load_model(spec["checkpoint"], device, precision), 1 if spec["compile"] else None)
+    model = pack_for_cpu(load.load_model(spec["checkpoint"], device, precision))
     T, N = spec["prompt_tokens"], spec["new_tokens"]
     prompt = torch.tensor(synthetic_prompt(T, model.config.vocab_size), device=device)
     fns = {}

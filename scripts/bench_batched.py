@@ -38,7 +38,7 @@ def worker_brisk(spec: dict) -> dict:
     from tokenizer import load_tokenizer
     dtype = getattr(torch, spec["dtype"]) if spec["dtype"] else torch.float32
     # as server.py does
-    model = pack_for_cpu(load_model(spec["checkpoint"], "cpu", dtype), spec["streams"] if spec["compile"] else None)
+    model = pack_for_cpu(load_model(spec["checkpoint"], "cpu", dtype))
     tokenizer = load_tokenizer(Path(spec["tokenizer_dir"]))
     B, N, long = spec["streams"], spec["new_tokens"], spec["long_prompt"]
     engine = Engine(model, tokenizer, B, max(PROMPT + N, long + 8) + 8, compile=spec["compile"])

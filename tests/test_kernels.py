@@ -121,15 +121,17 @@ def test_packed_bf16_model_matches_unpacked(bf16_dot, family, tmp_path):
     assert float((logits[1] - logits[0]).norm() / logits[0].norm()) < 2e-2
 
 
-def test_bf16_compiled_for_few_rows_stays_unpacked(bf16_dot):
-    """pack_for_cpu leaves a bf16 model whose compiled steps take at most 4 rows to inductor's bf16
-    template (faster there); eager, or with more rows, it is packed; fp32 always is."""
+def test_pack_for_cpu_packs_what_kernels_cpp_multiplies():
+    """fp32 wherever kernels.cpp builds, bf16 where the CPU has AVX-512 BF16; float16 never."""
     from model import ModelArgs, Transformer
-    def packed(dtype, rows):
+    if kernels.best_isa() == "":
+        pytest.skip("kernels.cpp has no code for this CPU")
+
+    def packed(dtype):
         model = Transformer(ModelArgs(n_layer=1, dim=32, n_head=2, vocab_size=64, intermediate_size=64)).to(dtype)
-        return isinstance(kernels.pack_for_cpu(model, rows).output, kernels.PackedLinear)
-    assert not packed(torch.bfloat16, 4)
-    assert packed(torch.bfloat16, 5) and packed(torch.bfloat16, None) and packed(torch.float32, 1)
+        return isinstance(kernels.pack_for_cpu(model).output, kernels.PackedLinear)
+    assert packed(torch.float32) and not packed(torch.float16)
+    assert packed(torch.bfloat16) == kernels.bf16_dot()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -143,6 +145,48 @@ def test_packed_embedding_reads_the_packed_rows(isa, dtype):
     torch.testing.assert_close(kernels.PackedEmbedding(kernels.PackedLinear(out, isa))(idx), emb(idx), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "int4"])
+def test_fused_feed_forward_is_its_two_products(isa, kind):
+    """w1 and w3 packed as one product (kernels.fuse_feed_forwards) give exactly what the two give
+    (int8 / int4: the same rounding of x), for every row count around the tiles; a hidden size that
+    ends inside a block of 32 stays two products."""
+    from model import FeedForward, ModelArgs
+    if kind == "bf16" and not kernels.bf16_dot():
+        pytest.skip("this CPU has no AVX-512 BF16")
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    torch.manual_seed(3)
+
+    def packed_layer(linear):
+        if kind in ("fp32", "bf16"):
+            return kernels.PackedLinear(linear.to(dtype), isa)
+        m = quantized.Int8Linear(64, linear.out_features, bias=False) if kind == "int8" else \
+            quantized.Int4Linear(64, linear.out_features, False, 32, 64)
+        if kind == "int8":
+            m.weight, m.scales = quantized.quantize_int8(linear.weight.detach())
+        else:
+            m.weight, m.scales_and_zeros = quantized.quantize_int4(linear.weight.detach(), 32)
+        m.finalize(torch.device("cpu"), torch.float32)
+        if kind == "int8":  # repacked for `isa`, as the product tests do
+            m.isa, (m.weight, m.scales) = isa, kernels.pack_int8(*quantized.quantize_int8(linear.weight.detach()), isa)
+        else:
+            w, sz = quantized.quantize_int4(linear.weight.detach(), 32)
+            m.isa, (m.weight, m.scales_and_zeros) = isa, kernels.pack_int4(quantized.unpack_int4(w), sz, isa)
+        return m
+
+    for hidden, fused in ((96, True), (80, False)):
+        ff = FeedForward(ModelArgs(dim=64, intermediate_size=hidden, n_head=4))
+        for name in ("w1", "w3", "w2"):
+            setattr(ff, name, packed_layer(getattr(ff, name)))
+        model = nn.Module()
+        model.layers = nn.ModuleList([nn.Module()])
+        model.layers[0].feed_forward = ff
+        kernels.fuse_feed_forwards(model)
+        assert isinstance(model.layers[0].feed_forward, kernels.PackedFeedForward) == fused, hidden
+        for rows in ROWS:
+            x = torch.randn(2, rows, 64).to(dtype)
+            assert torch.equal(model.layers[0].feed_forward(x), ff(x)), (hidden, rows)
+
+
 @pytest.mark.parametrize("family", ["llama31", "qwen2", "gemma2"])
 def test_packed_model_matches_transformers(family, isa, tmp_path):
     """Packed in place: no nn.Linear left, a tied embedding reads the output's packed weight (one
@@ -150,6 +194,7 @@ def test_packed_model_matches_transformers(family, isa, tmp_path):
     hf = make_hf_model(family, seed=5)
     model = kernels.pack_linears(load_model(save_and_convert(hf, tmp_path)), isa)
     assert not any(type(m) is nn.Linear for m in model.modules())
+    assert all(isinstance(layer.feed_forward, kernels.PackedFeedForward) for layer in model.layers)
     if hf.config.tie_word_embeddings:
         assert model.tok_embeddings.packed is model.output.packed
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(4))
