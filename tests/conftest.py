@@ -1,6 +1,5 @@
 """Shared fixtures: tiny random Hugging Face models converted with our own converter, and the real
 default model (SmolLM2-135M-Instruct) converted from its GGUF."""
-import json
 from pathlib import Path
 
 import pytest

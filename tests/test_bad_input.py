@@ -5,7 +5,6 @@ Most cases call a CLI's entry point in this process (a subprocess costs seconds 
 the few where the process boundary is the point (a closed pipe, python -O, bytes on stdin or in
 argv) run a subprocess.
 """
-import errno
 import json
 import os
 import shutil
