@@ -101,8 +101,30 @@ def release_pages(t: Tensor) -> None:
     first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
     if last <= first or not in_file_mapping(first, last):
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+    libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+
+
+def trim_heap() -> None:
+    """Give the allocator's free memory back to the OS (glibc's malloc_trim; elsewhere nothing). A
+    weight replaced by its packed copy, and the temporaries of packing, are freed into the heap,
+    which keeps them resident: packed one layer after another, a model would peak near twice its
+    weights."""
+    trim = getattr(libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def libc():
+    import ctypes
+    return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def from_file(t: Tensor) -> bool:
+    """Whether t may lie in a memory-mapped file (off Linux: may, as nothing tells)."""
+    if not sys.platform.startswith("linux"):
+        return True
+    return t.numel() > 0 and in_file_mapping(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
 
 
 def in_file_mapping(start: int, end: int) -> bool:
@@ -116,15 +138,20 @@ def in_file_mapping(start: int, end: int) -> bool:
     return False
 
 
-def pack(w: Tensor, k_multiple: int = 1) -> Tensor:
-    """[N, K] -> [ceil(N / 32), K, 32] (K padded with zeros to k_multiple): each block of 32 output
-    columns one stream over k."""
+def pack(w: Tensor, k_multiple: int = 1, n: int = 1) -> Tensor:
+    """[N, K] -> [ceil(N / 32), K / n, 32, n], or [ceil(N / 32), K, 32] for n = 1 (K padded with zeros
+    to k_multiple, a multiple of n): each block of 32 output columns one stream over k, with a
+    column's n consecutive k side by side (one 32-bit lane of a dot-product instruction). One copy,
+    or two where padding is needed: a model's weights are packed one after another, and each
+    temporary copy is memory the allocator may keep."""
     N, K = w.shape
-    if N % BLOCK or K % k_multiple:  # the padded copy; otherwise the one copy is the packed weight
+    if N % BLOCK or K % k_multiple:
         padded = torch.zeros(-(-N // BLOCK) * BLOCK, -(-K // k_multiple) * k_multiple, dtype=w.dtype)
         padded[:N, :K] = w
         w = padded
-    return w.reshape(-1, BLOCK, w.shape[1]).transpose(1, 2).contiguous()
+    blocks, K = w.shape[0] // BLOCK, w.shape[1]
+    packed = w.reshape(blocks, BLOCK, K // n, n).permute(0, 2, 1, 3).contiguous()
+    return packed if n > 1 else packed.view(blocks, K, BLOCK)
 
 
 def pack_int8(weight: Tensor, scales: Tensor, isa: str) -> tuple:
@@ -135,38 +162,32 @@ def pack_int8(weight: Tensor, scales: Tensor, isa: str) -> tuple:
     padded[:len(scales)] = scales.float()
     if isa != "avx512vnni":
         return pack(weight), padded
-    return interleave(pack((weight.to(torch.int16) + 128).to(torch.uint8), k_multiple=BLOCK), 4), padded
+    q = pack(weight.view(torch.uint8), k_multiple=BLOCK, n=4)
+    q ^= 128  # w + 128 is w's bit pattern with the top bit flipped (padding: 128, i.e. w = 0)
+    return q, padded
 
 
 def pack_int4(codes: Tensor, scales_and_zeros: Tensor, isa: str) -> tuple:
     """quantized.py's int4 codes [N, Kp] (0..15) and bf16 scales_and_zeros [G, N, 2] -> (uint8
     [N / 32, Kp, 16], or [N / 32, Kp / 4, 16, 4] for "avx512vnni", holding columns j and j + 16
     of a block in byte j's low and high nibbles; bf16 [N / 32, G, 2, 32])."""
-    q = pack(codes.to(torch.uint8))  # [blocks, Kp, 32]
-    if isa == "avx512vnni":
-        q = interleave(q, 4)  # [blocks, Kp / 4, 32, 4]
-        q = q[:, :, :BLOCK // 2] | (q[:, :, BLOCK // 2:] << 4)
-    else:
-        q = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
+    N, Kp = codes.shape
+    if N % BLOCK:
+        codes = torch.cat([codes, codes.new_zeros(-N % BLOCK, Kp)])
+    halves = codes.to(torch.uint8).view(-1, 2, BLOCK // 2, Kp)  # [blocks, columns j / j + 16, 16, Kp]
+    both = halves[:, 1] << 4
+    both |= halves[:, 0]  # [blocks, 16, Kp]: j's code low, j + 16's high
+    n = 4 if isa == "avx512vnni" else 1
+    q = both.view(-1, BLOCK // 2, Kp // n, n).permute(0, 2, 1, 3).contiguous()
     G, N, _ = scales_and_zeros.shape
     sz = torch.zeros(G, -(-N // BLOCK) * BLOCK, 2, dtype=torch.bfloat16)
     sz[:, :N] = scales_and_zeros
-    return q.contiguous(), sz.view(G, -1, BLOCK, 2).permute(1, 0, 3, 2).contiguous()
+    return q if n > 1 else q.view(q.shape[0], Kp, BLOCK // 2), sz.view(G, -1, BLOCK, 2).permute(1, 0, 3, 2).contiguous()
 
 
 def pack_bf16(w: Tensor) -> Tensor:
     """bf16 [N, K] -> [N / 32, K / 2, 32, 2] (K padded to even): the pairs vdpbf16ps multiplies."""
-    N, K = w.shape
-    if N % BLOCK == 0 and K % 2 == 0:  # in one copy: [N / 32, 32, K / 2, 2] -> [N / 32, K / 2, 32, 2]
-        return w.reshape(N // BLOCK, BLOCK, K // 2, 2).transpose(1, 2).contiguous()
-    return interleave(pack(w, k_multiple=2), 2)
-
-
-def interleave(packed: Tensor, n: int) -> Tensor:
-    """[blocks, K, 32] -> [blocks, K / n, 32, n]: a column's n consecutive k side by side (one
-    32-bit lane of a dot-product instruction)."""
-    blocks, K, _ = packed.shape
-    return packed.view(blocks, K // n, n, BLOCK).transpose(2, 3).contiguous()
+    return pack(w, k_multiple=2, n=2)
 
 
 class PackedLinear(nn.Module):
@@ -238,6 +259,8 @@ def fuse_feed_forwards(model: Transformer) -> None:
         w13 = ff.w1.concat(ff.w3)
         if w13 is not None:
             layer.feed_forward = PackedFeedForward(ff, w13)
+            del ff
+            trim_heap()  # w1's and w3's copies
 
 
 class PackedEmbedding(nn.Module):
@@ -271,17 +294,26 @@ def pack_for_cpu(model: Transformer) -> Transformer:
     return pack_linears(model) if can_pack(model) else model
 
 
+def replace_linear(module: nn.Module, name: str, isa: str) -> None:
+    """module.name (an nn.Linear) -> PackedLinear, the original's memory given back at once. (A list of
+    the replaced linears, or of their parents, would keep every original weight alive beside its
+    packed copy until packing ends.)"""
+    linear = getattr(module, name)
+    setattr(module, name, PackedLinear(linear, isa))
+    release_pages(linear.weight)  # memory-mapped: the checkpoint's pages
+    del linear  # otherwise (a cast copy) freed here
+    trim_heap()
+
+
 def pack_linears(model: Transformer, isa: Optional[str] = None) -> Transformer:
     """Every fp32 (and bf16, where the CPU multiplies it) nn.Linear of the model -> PackedLinear (in
     place); isa None: the CPU's best."""
     isa = isa or best_isa()
     dtypes = packable_dtypes()
     tied = model.output.weight is model.tok_embeddings.weight
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype in dtypes:
-                setattr(module, child_name, PackedLinear(child, isa))
-                release_pages(child.weight)  # one copy resident at a time, not the checkpoint's beside the packed
+    for module, name in [(module, name) for module in model.modules() for name, child in module.named_children()
+                         if type(child) is nn.Linear and child.weight.dtype in dtypes]:
+        replace_linear(module, name, isa)
     if tied and isinstance(model.output, PackedLinear):
         model.tok_embeddings = PackedEmbedding(model.output)
     fuse_feed_forwards(model)
@@ -291,6 +323,6 @@ def pack_linears(model: Transformer, isa: Optional[str] = None) -> Transformer:
     with torch.no_grad():
         for module in model.modules():
             for name, t in [*module._parameters.items(), *module._buffers.items()]:
-                if t is not None and t.device.type == "cpu" and not name.endswith("_cache"):
+                if t is not None and t.device.type == "cpu" and not name.endswith("_cache") and from_file(t):
                     t.data = t.data.clone()
     return model

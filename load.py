@@ -237,10 +237,26 @@ def load_model(checkpoint_path, device="cpu", precision: torch.dtype = torch.flo
     if tp is not None:
         from tp import apply_tp
         apply_tp(model, tp.rank, tp.world_size)
-    model = model.to(device=device, dtype=precision)
+    to_device(model, device, precision)
     if quantization is not None:
         quantized.finalize_model(model, quantization, device=device, precision=precision)
     return model.eval()
+
+
+def to_device(model: torch.nn.Module, device, precision: torch.dtype) -> None:
+    """model.to(device, precision) in place, a tensor at a time, each memory-mapped original's pages
+    given back as soon as its copy exists: the mapping keeps every page it read resident until its
+    last tensor goes, so a bf16 model cast from an fp32 checkpoint would otherwise hold both (3x the
+    bf16 weights at the peak). Integer tensors (quantized weights) keep their dtype; tied weights
+    stay one tensor."""
+    from kernels import release_pages
+    with torch.no_grad():
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            old = t.data
+            new = old.to(device=device, dtype=precision if old.is_floating_point() else None)
+            if new is not old:
+                t.data = new
+                release_pages(old)
 
 
 def weights(model: Transformer):

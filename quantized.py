@@ -437,6 +437,7 @@ def finalize_model(model: Transformer, quantization: dict, device, precision: to
     for name, module in model.named_modules():
         if isinstance(module, QUANTIZED):
             module.finalize(device, precision)
+            kernels.trim_heap()  # what repacking freed, before the next layer's
             if "dequant" in (getattr(module, "kernel", None), *getattr(module, "kernels", {}).values()):
                 slow.append(name)
     if slow:
