@@ -488,9 +488,12 @@ torch::Tensor packed_embedding(const torch::Tensor& idx, const torch::Tensor& pa
   return out;
 }
 
+bool attention_supported();  // attention.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("best_isa", &best_isa);
   m.def("has_bf16_dot", &has_bf16_dot);
+  m.def("attention_supported", &attention_supported);
 }
 
 // Operators of torch's own registry, so that a compiled graph calls the kernels without passing

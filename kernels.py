@@ -36,7 +36,8 @@ def extension():
     from torch.utils.cpp_extension import load
     print("kernels.cpp: building or loading the compiled extension (the first build takes ~30 s)", file=sys.stderr,
           flush=True)
-    return load("brisk_kernels", [str(Path(__file__).with_name("kernels.cpp"))],
+    here = Path(__file__).parent
+    return load("brisk_kernels", [str(here / "kernels.cpp"), str(here / "attention.cpp")],
                 extra_cflags=["-O3", "-fopenmp"], verbose=False)
 
 
@@ -84,6 +85,10 @@ def register_fake():
     @torch.library.register_fake("brisk::packed_embedding")
     def _(idx, packed, dim):
         return packed.new_empty(*idx.shape, dim)
+
+    @torch.library.register_fake("brisk::decode_attention")
+    def _(q, k_cache, v_cache, rows, mask, scale):
+        return q.new_empty(q.shape)
 
 
 def release_pages(t: Tensor) -> None:
@@ -290,8 +295,34 @@ def can_pack(model: Transformer) -> bool:
 
 
 def pack_for_cpu(model: Transformer) -> Transformer:
-    """What the command lines call after loading: the model packed where kernels.cpp serves it."""
-    return pack_linears(model) if can_pack(model) else model
+    """What the command lines call after loading: the model packed where kernels.cpp serves it, and
+    its decode steps' attention on attention.cpp's kernel."""
+    if not can_pack(model):
+        return model
+    pack_linears(model)
+    if cache_attention_supported():
+        use_cache_attention(model)
+    return model
+
+
+@functools.cache
+def cache_attention_supported() -> bool:
+    """Whether attention.cpp's kernel runs here (AVX-512)."""
+    return best_isa() != "" and extension().attention_supported()
+
+
+def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Optional[Tensor], mask: Tensor,
+                    scale: float) -> Tensor:
+    """model.Attention's attend_cache: the query rows of a decode step against the KV cache, read in place."""
+    return torch.ops.brisk.decode_attention(q, k_cache, v_cache, rows, mask, scale)
+
+
+def use_cache_attention(model: Transformer) -> None:
+    """Decode steps of every layer (but soft-capped ones, which model.py keeps) through cache_attention."""
+    register_fake()
+    for layer in model.layers:
+        if layer.attention.softcap is None:
+            layer.attention.attend_cache = cache_attention
 
 
 def replace_linear(module: nn.Module, name: str, isa: str) -> None:

@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -368,6 +368,9 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.attention_bias)
         self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
+        # A kernel for decode steps that reads the KV cache in place, attached from outside (kernels.py):
+        # f(q [B, n_kv, rows, hd], k_cache, v_cache, cache_rows, mask, scale) -> y like q.
+        self.attend_cache: Optional[Callable] = None
         self.scale = config.attention_scale or config.head_dim ** -0.5
         self.softcap = config.attn_logit_softcap
         self.use_rope = layer_id not in (config.no_rope_layers or ())
@@ -402,18 +405,21 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                enable_gqa=k.shape[1] != q.shape[1])
             return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
-        k, v = self.kv_cache.read(B, cache_rows, mask.shape[-1])  # (B, n_kv, S, hd)
         # GQA: the query heads that share a key/value head become rows of one attention over it.
         # SDPA's own enable_gqa gives the same result but runs far slower in bf16 on the CPU at long
         # contexts (README, How it works).
         rep = self.n_head // self.n_local_heads
         q = q.reshape(B, self.n_local_heads, rep * T, self.head_dim)
-        if T == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
-            y = decode_attention(q, k, v, mask, self.scale, self.softcap)
-        elif self.softcap is not None:  # SDPA cannot soft-cap its scores
-            y = softcapped_attention(q, k, v, mask, self.scale, self.softcap)
+        if T == 1 and self.attend_cache is not None:
+            y = self.attend_cache(q, self.kv_cache.k_cache, self.kv_cache.v_cache, cache_rows, mask, self.scale)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # (B, n_kv, rep * T, hd)
+            k, v = self.kv_cache.read(B, cache_rows, mask.shape[-1])  # (B, n_kv, S, hd)
+            if T == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
+                y = decode_attention(q, k, v, mask, self.scale, self.softcap)
+            elif self.softcap is not None:  # SDPA cannot soft-cap its scores
+                y = softcapped_attention(q, k, v, mask, self.scale, self.softcap)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # (B, n_kv, rep * T, hd)
         # reshape, not view: CUDA's attention kernels return y in another memory layout.
         return self.wo(y.reshape(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, q_dim))
 

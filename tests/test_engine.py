@@ -296,13 +296,13 @@ def test_compiled_engine_equals_eager(tiny, family, mode, tmp_path):
     from torch._dynamo.utils import counters
     from compiling import needs_freezing
     model = tiny(family)
-    if mode in ("packed", "packed-bf16"):  # kernels.cpp's products, called from the compiled graphs
+    if mode in ("packed", "packed-bf16"):  # kernels.cpp's products and attention.cpp's, called from the compiled graphs
         import kernels
         dtype = torch.bfloat16 if mode == "packed-bf16" else torch.float32
         if dtype not in kernels.packable_dtypes():
             pytest.skip(f"kernels.cpp has no {dtype} code for this CPU")
         hf = make_hf_model(family, max_position_embeddings=384, tie_word_embeddings=True)  # and PackedEmbedding
-        model = kernels.pack_linears(load_model(save_and_convert(hf, tmp_path), precision=dtype))
+        model = kernels.pack_for_cpu(load_model(save_and_convert(hf, tmp_path), precision=dtype))  # attention.cpp too
     elif mode is not None:  # int8 llama31: kernels.cpp's; mixtral: a batch of 3 runs every expert on every token
         import quantize
         hf = make_hf_model(family, max_position_embeddings=384)

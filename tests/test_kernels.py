@@ -298,3 +298,103 @@ def test_release_pages_of_a_mapped_checkpoint(tmp_path):
     total = anonymous.sum().item()
     kernels.release_pages(anonymous)
     assert anonymous.sum().item() == total
+
+
+needs_cache_attention = pytest.mark.skipif(not kernels.cache_attention_supported(),
+                                           reason="attention.cpp's kernel needs AVX-512")
+
+
+def attention_reference(q, k_cache, v_cache, rows, mask, scale):
+    """softmax(q k^T scale, masked) v in float64, the cache rows gathered."""
+    B = q.shape[0]
+    k, v = (c[rows if rows is not None else torch.arange(B)][:, :, :mask.shape[-1]].double() for c in (k_cache, v_cache))
+    scores = (q.double() @ k.transpose(-1, -2)) * scale
+    return (torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v).to(q.dtype)
+
+
+@needs_cache_attention
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,H,R,D", [(1, 3, 3, 64), (1, 1, 1, 12), (2, 2, 4, 24), (3, 8, 4, 128), (1, 2, 16, 256)])
+@pytest.mark.parametrize("S", [1, 17, 64, 300])
+def test_cache_attention_equals_float64_reference(dtype, B, H, R, D, S):
+    """attention.cpp's decode attention: one mask for all sequences or one each, cache rows picked
+    out of a larger cache, positions past the mask's length (stale values) never read, and
+    lengths that split into several chunks per head."""
+    torch.manual_seed(B * 1000 + D + S)
+    rows_total, cache_S = B + 2, S + 5
+    k_cache = torch.randn(rows_total, H, cache_S, D).to(dtype)
+    v_cache = torch.randn(rows_total, H, cache_S, D).to(dtype)
+    k_cache[:, :, S:] = v_cache[:, :, S:] = float("nan")  # past S: never read
+    q = torch.randn(B, H, R, D).to(dtype)
+    rows = torch.randperm(rows_total)[:B]
+    for mask in (torch.rand(R, S) < 0.7, torch.rand(B, 1, R, S) < 0.7):
+        mask[..., 0] = True  # every query row sees a position
+        for picked in (None, rows):
+            got = kernels.cache_attention(q, k_cache, v_cache, picked, mask, D ** -0.5)
+            expected = attention_reference(q, k_cache, v_cache, picked, mask, D ** -0.5)
+            tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(got, expected, **tol)
+
+
+@needs_cache_attention
+@pytest.mark.parametrize("family", ["llama31", "mistral", "gemma3", "head_dim"])
+def test_cache_attention_in_the_model(family, tmp_path):
+    """A packed model's decode steps on the kernel against the same model on model.py's own
+    attention: logits of every step, and the engine's ragged batch (per-row positions, cache rows;
+    the sliding windows and local RoPE of mistral / gemma3; head_dim 24 and 32) token for token."""
+    from decode import generate
+    from engine import Engine, Request
+    model = kernels.pack_for_cpu(load_model(save_and_convert(make_hf_model(family, max_position_embeddings=384),
+                                                            tmp_path)))
+    attention = [layer.attention for layer in model.layers]
+    assert all(a.attend_cache is kernels.cache_attention for a in attention)
+
+    def model_py_attention(on: bool):
+        for a in attention:
+            a.attend_cache = None if on else kernels.cache_attention
+
+    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(3))
+    steps = []
+    for on in (True, False):
+        model_py_attention(on)
+        model.setup_caches(max_batch_size=1, max_seq_length=80)
+        with torch.no_grad():
+            model(ids[:, :20], torch.arange(20))
+            steps.append(torch.cat([model(ids[:, t:t + 1], torch.tensor([t])) for t in range(20, 60)]))
+    torch.testing.assert_close(steps[1], steps[0], rtol=1e-4, atol=1e-4)
+
+    class Ids:
+        eos_ids = []
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 50, 17, 120)]
+    model_py_attention(True)
+    alone = [generate(model, torch.tensor(p), 12)[0, len(p):].tolist() for p in prompts]
+    model_py_attention(False)
+    results = Engine(model, Ids(), max_batch_size=3, max_seq_length=200).generate([Request(p, 12) for p in prompts])
+    assert [r.token_ids for r in results] == alone
+
+
+def test_casting_a_checkpoint_never_holds_both_copies(tmp_path):
+    """bf16 from an fp32 checkpoint: each weight's memory-mapped pages go as soon as its bf16 copy
+    exists (load.to_device), so the fp32 file never sits in memory beside the bf16 model (the
+    peak of loading was the fp32 file plus the bf16 copy, 3x the bf16 weights; 1.4x now). In a fresh
+    process, whose memory peak is that of loading alone."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("VmHWM and madvise on Linux only")
+    from model import ModelArgs, Transformer
+    config = ModelArgs(n_layer=8, dim=1024, n_head=8, vocab_size=8192, intermediate_size=2048)  # 384 MiB in fp32
+    config.to_json(tmp_path / "config.json")
+    torch.save(Transformer(config).state_dict(), tmp_path / "model.pth")
+    code = ("import torch, load\n"
+            "def kb(key): return int(dict(l.split(':', 1) for l in open('/proc/self/status'))[key].split()[0])\n"
+            "before = kb('VmRSS')\n"
+            f"m = load.load_model({str(tmp_path / 'model.pth')!r}, precision=torch.bfloat16)\n"
+            "print((kb('VmHWM') - before) / 1024, load.model_bytes(m) / 2**20)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    peak_mb, bf16_mb = map(float, done.stdout.split())
+    assert peak_mb < 2 * bf16_mb, f"loading peaked {peak_mb:.0f} MB above the start for {bf16_mb:.0f} MB of weights"
