@@ -48,27 +48,152 @@ def compile_step(fn: Callable, device: str) -> Callable:
 
 
 def unfrozen_step(fn: Callable) -> Callable:
-    """fn compiled for a packed CPU model (weights as they are), for caches of any length: one graph,
-    so that a second run with another prompt or --max_new_tokens (another cache size) finds it in
-    the on-disk caches rather than compiling for a minute. dynamo keeps every module buffer's shape
-    static unless told otherwise, and would make any shape that changes between calls dynamic on its
-    own (a draft model's weights beside the target's): only the marked sequence dimensions are.
-    The graph's wrapper skips its size asserts (a few hundred calls a step: a visible part of a small
-    model's)."""
-    import torch._inductor.config as inductor_config
-    compiled = inductor_config.patch(size_asserts=False, alignment_asserts=False, scalar_asserts=False)(
-        torch.compile(fn, fullgraph=True))
-    dynamo = dict(force_parameter_static_shapes=False, force_nn_module_property_static_shapes=False,
-                  automatic_dynamic_shapes=False)
+    """fn compiled for a packed CPU model (weights as they are, inputs of the graph), for caches of
+    any length. Each kind of call (its signature: the shapes of its tensors, the values of its other
+    arguments, the model's structure) compiles once into a file that later runs load in a few
+    seconds (`precompiled`); under torchrun, or where torch lacks that API, dynamo's own caches."""
+    if torch.distributed.is_initialized() or not hasattr(torch.compiler, "load_compiled_function"):
+        return dynamo_step(fn)
+    steps = weakref.WeakKeyDictionary()  # model -> {call signature: its compiled step}
+
+    def step(model, *args, **kwargs):
+        by_signature = steps.setdefault(model, {})
+        signature = call_signature(model, args, kwargs)
+        f = by_signature.get(signature)
+        if f is None:
+            f = by_signature[signature] = precompiled(fn, model, args, kwargs, signature)
+        return f(model, *args, **kwargs)
+    return step
+
+
+def dynamo_step(fn: Callable) -> Callable:
+    """unfrozen_step through dynamo: one graph for caches of any length, found in the on-disk caches
+    by a second run (with another prompt or --max_new_tokens too). dynamo keeps every module buffer's
+    shape static unless told otherwise, and would make any shape that changes between calls dynamic
+    on its own (a draft model's weights beside the target's): only the marked sequence dimensions are."""
+    compiled = size_asserts_off(torch.compile(fn, fullgraph=True))
     marked = weakref.WeakKeyDictionary()  # model -> the RoPE table of the caches marked (setup_caches makes new ones)
 
     def step(model, *args, **kwargs):
         if marked.get(model) is not model.rope_cos_sin:
             sequence_dims_dynamic(model)
             marked[model] = model.rope_cos_sin
-        with torch._dynamo.config.patch(dynamo):  # dynamo reads these while tracing, inside a call
+        with torch._dynamo.config.patch(DYNAMO_SEQUENCE_DIMS):  # dynamo reads these while tracing, inside a call
             return compiled(model, *args, **kwargs)
     return step
+
+
+# Only the sequence dimensions that sequence_dims_dynamic marks are dynamic.
+DYNAMO_SEQUENCE_DIMS = dict(force_parameter_static_shapes=False, force_nn_module_property_static_shapes=False,
+                            automatic_dynamic_shapes=False)
+
+
+def size_asserts_off(compiled: Callable) -> Callable:
+    """The graph's wrapper skips its size asserts: a few hundred calls a step, a visible part of a
+    small model's."""
+    import torch._inductor.config as inductor_config
+    return inductor_config.patch(size_asserts=False, alignment_asserts=False, scalar_asserts=False)(compiled)
+
+
+def call_signature(model, args: tuple, kwargs: dict) -> tuple:
+    """What a compiled step is specialised to, short of the model's structure: the shapes and dtypes
+    of the tensors, the values of the other arguments (an int or float may be burnt into the graph),
+    the caches' rows, whether their length is 1 (dynamo specialises it), autograd's state."""
+    def of(a):
+        return (a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else (type(a), a)
+    return (model.max_batch_size, model.max_seq_length == 1, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            tuple(of(a) for a in args), tuple((k, of(v)) for k, v in sorted(kwargs.items())))
+
+
+def precompiled(fn: Callable, model, args: tuple, kwargs: dict, signature: tuple) -> Callable:
+    """fn compiled ahead of time for calls of this signature on models of this structure, saved to
+    and loaded from a file of compiled_steps_dir(): a warm start skips dynamo's trace of the whole
+    model (seconds for a small one) as well as the compile. The saved step checks no guards (each
+    call's signature and the model's structure pick its file instead), so a call costs no guard
+    evaluation either: a visible part of a small model's step."""
+    import sys
+    import time
+    import torch._inductor.inductor_prims  # noqa: F401  (model.in_memory's prim)
+    from load import atomic_write
+    key = hashlib.sha256(repr((code_digest(), torch.__version__, machine_digest(), structure_digest(model),
+                               fn.__module__, fn.__qualname__, fn.__code__.co_firstlineno, fn.__code__.co_code,
+                               signature)).encode()).hexdigest()[:32]
+    path = compiled_steps_dir() / f"{key}.bin"
+    t0 = time.perf_counter()
+    if path.is_file():
+        try:
+            with open(path, "rb") as f:
+                compiled = torch.compiler.load_compiled_function(f, f_globals=fn.__globals__)
+            print(f"compiling: loaded {fn.__qualname__} from {path} in {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr, flush=True)
+        except (OSError, EOFError, RuntimeError, ValueError, TypeError, AttributeError, ImportError) as e:  # stale or torn
+            print(f"compiling: {path} does not load ({type(e).__name__}); compiling again", file=sys.stderr, flush=True)
+            path.unlink(missing_ok=True)
+            return precompiled(fn, model, args, kwargs, signature)
+    else:
+        sequence_dims_dynamic(model)
+        with torch._dynamo.config.patch(DYNAMO_SEQUENCE_DIMS):
+            compiled = size_asserts_off(torch.compile(
+                fn, fullgraph=True, options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+            ).aot_compile)(((model, *args), kwargs))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda tmp: compiled.save_compiled_function(str(tmp)))
+        print(f"compiling: compiled {fn.__qualname__} in {time.perf_counter() - t0:.1f} s, saved to {path}",
+              file=sys.stderr, flush=True)
+    compiled.disable_guard_check()
+    return compiled
+
+
+def compiled_steps_dir():
+    """Where precompiled steps are kept: $BRISK_COMPILE_CACHE, default ~/.cache/brisk/compiled."""
+    import os
+    from pathlib import Path
+    return Path(os.environ.get("BRISK_COMPILE_CACHE", "~/.cache/brisk/compiled")).expanduser()
+
+
+def code_digest() -> str:
+    """Of brisk's own files (what a compiled step traced): any change compiles afresh."""
+    from pathlib import Path
+    digest = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.glob("*.py")) + sorted(Path(__file__).parent.glob("*.cpp")):
+        digest.update(f.name.encode() + f.read_bytes())
+    return digest.hexdigest()
+
+
+def machine_digest() -> str:
+    """The CPU's instruction sets, which pick the compiled kernels."""
+    from pathlib import Path
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "") \
+        if cpuinfo.is_file() else ""
+    return hashlib.sha256((torch.backends.cpu.get_cpu_capability() + flags).encode()).hexdigest()
+
+
+def stable_repr(v) -> str:
+    """repr, but a function by its name rather than its address (the same in every run)."""
+    if callable(v) and hasattr(v, "__qualname__"):
+        return f"{getattr(v, '__module__', '')}.{v.__qualname__}"
+    return repr(v)
+
+
+def structure_digest(model) -> str:
+    """What a compiled step reads of the model besides its tensors' values: each module's class and
+    plain attributes (sizes, scales, kernels and instruction sets, attached functions), and each
+    parameter's and buffer's name, dtype and shape (a cache's length aside: it is dynamic)."""
+    digest = hashlib.sha256()
+    for name, module in model.named_modules():
+        plain = sorted((k, stable_repr(v)) for k, v in vars(module).items()
+                       if not k.startswith("_") and not isinstance(v, (torch.Tensor, nn.Module))
+                       and k not in ("max_seq_length", "max_batch_size"))  # the caches' (call_signature)
+        digest.update(repr((name, type(module).__qualname__, plain, bool(module._forward_hooks),
+                            bool(module._forward_pre_hooks))).encode())
+        for tensor_name, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None:
+                shape = list(t.shape)
+                if isinstance(module, KVCache) or tensor_name.endswith("cos_sin"):
+                    shape[2 if isinstance(module, KVCache) else 0] = -1
+                digest.update(repr((tensor_name, t.dtype, shape)).encode())
+    return digest.hexdigest()
 
 
 def sequence_dims_dynamic(model):

@@ -9,6 +9,14 @@ from scripts.convert_hf_checkpoint import convert_hf_checkpoint
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache(tmp_path_factory):
+    """Compiled steps (compiling.precompiled) of this run's tiny models in a folder of their own, for
+    this process and the command lines it starts, not the user's cache."""
+    import os
+    os.environ["BRISK_COMPILE_CACHE"] = str(tmp_path_factory.mktemp("compiled"))
+
 # Tiny configs covering every family we claim; vocab 256 keeps them fast.
 FAMILIES = {
     "llama2": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=4)),
