@@ -128,8 +128,13 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   bool per_row = mask.dim() == 4;  // [B, 1, R, S]: each sequence its own positions; else [R, S]
   // Query rows in fp32, each padded with zeros to vecs vectors (a masked load of the cache beyond D
   // gives zeros too).
-  auto qf = torch::zeros({B, H, R, vecs * 16}, q.options().dtype(torch::kFloat));
-  qf.narrow(3, 0, D).copy_(q);
+  std::vector<float> qf(B * H * R * vecs * 16, 0.f);  // a few hundred floats: no ATen op for them
+  bool q_bf16 = q.scalar_type() == torch::kBFloat16;
+  const void* q_data = q.data_ptr();
+  for (int64_t i = 0; i < B * H * R; i++)
+    for (int64_t d = 0; d < D; d++)
+      qf[i * vecs * 16 + d] = q_bf16 ? float(static_cast<const at::BFloat16*>(q_data)[i * D + d])
+                                     : static_cast<const float*>(q_data)[i * D + d];
   int threads = at::get_num_threads();
   int64_t chunks = std::max<int64_t>(1, std::min((2 * threads + B * H - 1) / (B * H), S / MIN_CHUNK));
   int64_t chunk = (S + chunks - 1) / chunks;
@@ -138,7 +143,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const bool* mp = mask.data_ptr<bool>();
-  const float* qp = qf.data_ptr<float>();
+  const float* qp = qf.data();
   at::parallel_for(0, B * H * chunks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores(R * chunk);
     for (int64_t t = t0; t < t1; t++) {
