@@ -577,12 +577,31 @@ def run_benchmark(args) -> dict:
         machine=dict(cpu=cpu_name(), cores=os.cpu_count(), threads=args.threads, device=args.device,
                      gpu=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
                      cpu_capability=torch.backends.cpu.get_cpu_capability(),  # the vector ISA torch's kernels use
+                     isa=cpu_isa(),
                      torch=torch.__version__, transformers=transformers.__version__, llama_cpp=build),
         settings=dict(rounds=args.rounds, short_prompt=SHORT_PROMPT, long_prompt=args.long_prompt,
                       long_new_tokens=args.long_new_tokens, int4_groupsize=INT4_GROUPSIZE,
                       models={m.name: str(m.checkpoint) for m in models}),
         roofline_gbps=bandwidth, roofline_rounds=roofline, results=results,
         skipped=[dict(what=k, reason=v) for k, v in skipped.items()])
+
+
+# The vector extensions that pick kernels.cpp's and llama.cpp's code paths.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_isa() -> str:
+    """The CPU's family, model and vector extensions as /proc/cpuinfo tells them ('' where there is
+    none): a VM's model name can be as bare as "AMD EPYC"."""
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return ""
+    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    flags = set(info.get("flags", "").split())
+    return " ".join([f"family {info.get('cpu family', '?')} model {info.get('model', '?')}:",
+                     *(f for f in ISA_FLAGS if f in flags)])
 
 
 def cpu_name() -> str:
@@ -610,7 +629,9 @@ def format_table(report: dict) -> str:
     results = report["results"]
     gpu = report["machine"].get("gpu")
     where = gpu or f"{report['machine']['threads']} threads"
-    lines = [f"roofline (streaming read, {where}): "
+    m = report["machine"]
+    lines = [f"{m['cpu']} ({m.get('isa') or m['cpu_capability']}), torch {m['torch']}",
+             f"roofline (streaming read, {where}): "
              f"{report['roofline_gbps']:.1f} GB/s; best of {report['settings']['rounds']} round(s)"]
     memory = "peak_gpu_mb" if gpu else "peak_rss_mb"  # the memory that bounds the model size there
     header = (f"{'model':<10} {'prompt':<6} {'system':<21} {'prec':<5} {'decode':>7} {'prefill':>8} {'TTFT':>6} "
@@ -689,7 +710,7 @@ def plot(report: dict, path: Path):
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend(fontsize="small", loc="upper left")
     m = report["machine"]
-    where = m.get("gpu") or f"{m['cpu']}, {m['threads']} threads"
+    where = m.get("gpu") or f"{m['cpu']} ({m.get('isa') or m['cpu_capability']}), {m['threads']} threads"
     fig.suptitle(f"{where}, torch {m['torch']}", fontsize="small")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

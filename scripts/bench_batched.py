@@ -164,7 +164,8 @@ def main():
         except FileNotFoundError as e:
             bench.log(f"skip llama.cpp: {e}")
     import torch
-    meta = dict(cpu=bench.cpu_name(), isa=torch.backends.cpu.get_cpu_capability(), threads=args.threads,
+    meta = dict(cpu=bench.cpu_name(), isa=torch.backends.cpu.get_cpu_capability(), cpu_flags=bench.cpu_isa(),
+                threads=args.threads,
                 torch=torch.__version__, new_tokens=args.new_tokens, prompt=PROMPT, compile=not args.eager)
     table = []
     for name in args.models.split(","):
@@ -205,19 +206,21 @@ def plot(table: list, path: Path, meta: dict):
     except ImportError:
         bench.log("matplotlib missing: no plot (pip install -r requirements-bench.txt)")
         return
-    groups = sorted({(r["model"], r["precision"]) for r in table})
-    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.5), squeeze=False)
-    for ax, (model, precision) in zip(axes[0], groups):
+    models = list(dict.fromkeys(r["model"] for r in table))  # a row of panels a model, a column a precision
+    precisions = list(dict.fromkeys(r["precision"] for r in table))
+    fig, axes = plt.subplots(len(models), len(precisions), figsize=(3.6 * len(precisions), 3.2 * len(models)),
+                             squeeze=False)
+    for ax, (model, precision) in zip(axes.flat, [(m, p) for m in models for p in precisions]):
         for system in ("brisk", "llama.cpp", "transformers"):
             rows = sorted((r["streams"], r["aggregate_tok_s"]) for r in table
                           if (r["model"], r["precision"], r["system"]) == (model, precision, system))
             if rows:
                 ax.plot(*zip(*rows), marker="o", label=system)
-        ax.set(title=f"{model} {precision}", xlabel="concurrent streams", ylabel="decode tokens/s (all streams)",
+        ax.set(title=f"{model} {precision}", xlabel="concurrent streams", ylabel="tokens/s, all streams",
                xscale="log", xticks=[1, 2, 4, 8, 16])
         ax.set_xticklabels(["1", "2", "4", "8", "16"])
         ax.legend()
-    fig.suptitle(f"{meta['cpu']} ({meta['isa']}), {meta['threads']} threads", fontsize=9)
+    fig.suptitle(f"{meta['cpu']} ({meta.get('cpu_flags') or meta['isa']}), {meta['threads']} threads", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     bench.log(f"wrote {path}")

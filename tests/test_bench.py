@@ -1,6 +1,10 @@
 """Smoke test of scripts/bench.py: one round on a tiny converted model, the JSON it writes, the table.
 Never a timing assertion: the numbers depend on the machine."""
 import json
+import sys
+
+import pytest
+import torch
 
 from scripts import bench
 from tests.conftest import make_hf_model, save_and_convert
@@ -32,3 +36,18 @@ def test_bench_smoke(tmp_path):
     skipped = {s["what"] for s in report["skipped"]}
     assert {"llama.cpp", "tiny long"} <= skipped
     assert "tiny" in bench.format_table(report)
+    assert report["machine"]["isa"] == bench.cpu_isa() and report["machine"]["isa"] in bench.format_table(report)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/cpuinfo")
+def test_cpu_isa_agrees_with_torch():
+    """The flags the benchmark records agree with the ISA torch picked its kernels for."""
+    isa = bench.cpu_isa()
+    assert isa.startswith("family ") and ":" in isa
+    flags = set(isa.split(":", 1)[1].split())
+    assert flags <= set(bench.ISA_FLAGS)
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith("AVX512"):
+        assert {"avx512f", "avx512bw", "avx512vl", "avx2"} <= flags
+    if capability.startswith("AVX2"):
+        assert "avx2" in flags
