@@ -208,9 +208,11 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.size(1) == q.size(1) && k_cache.size(3) == q.size(3),
               "decode_attention: q [B, H, R, D] and caches [rows, H, S, D]");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
-                  (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16),
-              "decode_attention: q and the caches in one dtype, float32 or bfloat16");
+  auto is_f32_or_bf16 = [](const torch::Tensor& t) {
+    return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
+  };
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && is_f32_or_bf16(k_cache) && is_f32_or_bf16(q),
+              "decode_attention: q float32 or bfloat16, both caches in one of those");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous caches");
   TORCH_CHECK(q.size(2) <= MAX_ROWS && q.size(3) <= 256, "decode_attention: at most ", MAX_ROWS,
               " query rows per head and 256 features");
@@ -231,7 +233,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   auto m = mask.contiguous();
   auto qc = q.contiguous();
   const int64_t* rp = rows.has_value() ? row_ids.data_ptr<int64_t>() : nullptr;
-  if (q.scalar_type() == torch::kFloat) return attend<float>(qc, k_cache, v_cache, rp, m, scale);
+  // The query rows are read into fp32 whatever their dtype; the caches' dtype picks the loads.
+  if (k_cache.scalar_type() == torch::kFloat) return attend<float>(qc, k_cache, v_cache, rp, m, scale);
   return attend<at::BFloat16>(qc, k_cache, v_cache, rp, m, scale);
 }
 

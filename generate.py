@@ -183,7 +183,7 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
          precision: Optional[str], profile: Optional[Path], seed: int, ignore_eos: bool,
          draft_checkpoint_path: Optional[Path], speculate_k: int, speculate_ngram: Optional[int],
          prompts_file: Optional[Path], output: Optional[Path], max_batch_size: int, max_seq_length: Optional[int],
-         prefill_chunk: int):
+         prefill_chunk: int, kv_cache_dtype: Optional[str] = None):
     check_options(interactive, profile, draft_checkpoint_path, speculate_ngram, batch_size)
     if prompts_file is not None:
         if interactive or draft_checkpoint_path or speculate_ngram or batch_size != 1:
@@ -208,6 +208,7 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
 
     t0 = time.perf_counter()
     model = pack_for_cpu(load_model(checkpoint_path, device, dtype, tp=dist))
+    model.kv_cache_dtype = PRECISIONS[kv_cache_dtype] if kv_cache_dtype else None
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     check_vocab(tokenizer, model.config.vocab_size, Path(checkpoint_path).parent)
     device_sync(device)
@@ -345,6 +346,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
                    help="weights and activations dtype (default: bfloat16 on CUDA, float16 on MPS, float32 on CPU)")
+    p.add_argument("--kv_cache_dtype", choices=["bfloat16", "float32"], default=None,
+                   help="the KV cache's dtype (default: the activations'): bfloat16 under float32 activations halves the bytes a long context's decode step reads, as llama.cpp's F16 cache")
     p.add_argument("--profile", type=Path, default=None, help="write a torch profiler trace of the last sample")
     p.add_argument("--seed", type=SEED, default=1234, help="random seed for sampling")
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at end-of-sequence (benchmarks)")

@@ -212,6 +212,7 @@ class KVCache(nn.Module):
         """Write k/v [B, H, T, D] at positions input_pos ([T], or [B, T]: each row its own) of cache
         rows `rows` [B] (default 0..B-1). Positions past what a row has written hold stale values
         (an earlier occupant's, or padding): the mask never lets a query see them."""
+        k, v = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)  # a bf16 cache under fp32 activations
         if rows is None and input_pos.dim() == 1:
             B = k.shape[0]
             self.k_cache[:B, :, input_pos] = k
@@ -244,6 +245,9 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = -1
         self.max_seq_length = -1
+        # The KV cache's dtype, set before setup_caches (None: the model's). A bf16 cache under fp32
+        # activations halves the bytes a long context's decode step reads, as llama.cpp's F16 cache.
+        self.kv_cache_dtype: Optional[torch.dtype] = None
         self.register_buffer("rope_cos_sin", None, persistent=False)  # setup_caches makes it
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None, device=None):
@@ -255,7 +259,7 @@ class Transformer(nn.Module):
             return
         c = self.config
         weight = self.norm.weight  # the model dtype, also when quantize.py made the embedding int8
-        dtype = dtype or weight.dtype
+        dtype = dtype or self.kv_cache_dtype or weight.dtype
         device = device or weight.device
         self.max_seq_length, self.max_batch_size = max_seq_length, max_batch_size
         for layer in self.layers:
@@ -414,6 +418,7 @@ class Attention(nn.Module):
             y = self.attend_cache(q, self.kv_cache.k_cache, self.kv_cache.v_cache, cache_rows, mask, self.scale)
         else:
             k, v = self.kv_cache.read(B, cache_rows, mask.shape[-1])  # (B, n_kv, S, hd)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # a cache in another dtype than the activations
             if T == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
                 y = decode_attention(q, k, v, mask, self.scale, self.softcap)
             elif self.softcap is not None:  # SDPA cannot soft-cap its scores

@@ -471,7 +471,8 @@ def is_loopback(host: str) -> bool:
 
 def main(checkpoint_path: Optional[Path], host: str, port: int, api_key: Optional[str], max_batch_size: int,
          max_seq_length: Optional[int], prefill_chunk: int, compile: bool, device: Optional[str],
-         precision: Optional[str], model_name: Optional[str], shutdown_timeout: float, seed: int):
+         precision: Optional[str], model_name: Optional[str], shutdown_timeout: float, seed: int,
+         kv_cache_dtype: Optional[str] = None):
     import uvicorn
 
     if not is_loopback(host) and api_key is None:
@@ -489,6 +490,7 @@ def main(checkpoint_path: Optional[Path], host: str, port: int, api_key: Optiona
     dtype = PRECISIONS[precision] if precision else default_precision(device)
     t0 = time.perf_counter()
     model = pack_for_cpu(load_model(checkpoint_path, device, dtype, tp=dist))
+    model.kv_cache_dtype = PRECISIONS[kv_cache_dtype] if kv_cache_dtype else None
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     max_seq_length = max_seq_length or min(model.config.block_size, 4096)
     engine = Engine(model, tokenizer, max_batch_size, max_seq_length, prefill_chunk, compile, seed,
@@ -556,6 +558,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
                    help="weights and activations dtype (default: bfloat16 on CUDA, float16 on MPS, float32 on CPU)")
+    p.add_argument("--kv_cache_dtype", choices=["bfloat16", "float32"], default=None,
+                   help="the KV cache's dtype (default: the activations'): bfloat16 under float32 activations halves the bytes a long context's decode step reads, as llama.cpp's F16 cache")
     p.add_argument("--model_name", default=None, help="the model id clients use (default: the checkpoint's folder)")
     p.add_argument("--shutdown_timeout", type=finite_float(0), default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C")

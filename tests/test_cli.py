@@ -44,6 +44,14 @@ def test_generate_works(checkpoint):
     assert "Average tokens/sec" in r.stderr and "Average tokens/sec" not in r.stdout
 
 
+def test_bf16_kv_cache_compiled(checkpoint):
+    """--kv_cache_dtype bfloat16 through the compiled decode step (fp32 activations over a bf16 cache)."""
+    r = run(["generate.py", "--checkpoint_path", str(checkpoint), "--prompt", "The quick", "--max_new_tokens", "8",
+             "--temperature", "0", "--device", "cpu", "--compile", "--kv_cache_dtype", "bfloat16"])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("The quick") and len(r.stdout) > len("The quick")
+
+
 def test_number_prompt_is_text(checkpoint):
     """A number is text to --prompt (as a user means it); a synthetic prompt needs its own flag."""
     r = run(["generate.py", "--checkpoint_path", str(checkpoint), "--prompt", "300", "--no-chat",

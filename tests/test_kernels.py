@@ -323,17 +323,19 @@ def attention_reference(q, k_cache, v_cache, rows, mask, scale):
 
 
 @needs_cache_attention
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("B,H,R,D", [(1, 3, 3, 64), (1, 1, 1, 12), (2, 2, 4, 24), (3, 8, 4, 128), (1, 2, 16, 256)])
 @pytest.mark.parametrize("S", [1, 17, 64, 300])
-def test_cache_attention_equals_float64_reference(dtype, B, H, R, D, S):
+def test_cache_attention_equals_float64_reference(dtype, cache_dtype, B, H, R, D, S):
     """attention.cpp's decode attention: one mask for all sequences or one each, cache rows picked
     out of a larger cache, positions past the mask's length (stale values) never read, and
-    lengths that split into several chunks per head."""
+    lengths that split into several chunks per head; fp32 query rows over a bf16 cache too
+    (--kv_cache_dtype bfloat16), exact to fp32 arithmetic on the cache's values."""
     torch.manual_seed(B * 1000 + D + S)
     rows_total, cache_S = B + 2, S + 5
-    k_cache = torch.randn(rows_total, H, cache_S, D).to(dtype)
-    v_cache = torch.randn(rows_total, H, cache_S, D).to(dtype)
+    k_cache = torch.randn(rows_total, H, cache_S, D).to(cache_dtype)
+    v_cache = torch.randn(rows_total, H, cache_S, D).to(cache_dtype)
     k_cache[:, :, S:] = v_cache[:, :, S:] = float("nan")  # past S: never read
     q = torch.randn(B, H, R, D).to(dtype)
     rows = torch.randperm(rows_total)[:B]
@@ -347,15 +349,19 @@ def test_cache_attention_equals_float64_reference(dtype, B, H, R, D, S):
 
 
 @needs_cache_attention
-@pytest.mark.parametrize("family", ["llama31", "mistral", "gemma3", "head_dim"])
-def test_cache_attention_in_the_model(family, tmp_path):
+@pytest.mark.parametrize("family,kv_cache_dtype", [("llama31", None), ("mistral", None), ("gemma3", None),
+                                                   ("head_dim", None), ("llama31", torch.bfloat16),
+                                                   ("gemma3", torch.bfloat16)])
+def test_cache_attention_in_the_model(family, kv_cache_dtype, tmp_path):
     """A packed model's decode steps on the kernel against the same model on model.py's own
     attention: logits of every step, and the engine's ragged batch (per-row positions, cache rows;
-    the sliding windows and local RoPE of mistral / gemma3; head_dim 24 and 32) token for token."""
+    the sliding windows and local RoPE of mistral / gemma3; head_dim 24 and 32) token for token;
+    also with a bf16 cache under fp32 activations, which model.py's attention reads cast to fp32."""
     from decode import generate
     from engine import Engine, Request
     model = kernels.pack_for_cpu(load_model(save_and_convert(make_hf_model(family, max_position_embeddings=384),
                                                             tmp_path)))
+    model.kv_cache_dtype = kv_cache_dtype
     attention = [layer.attention for layer in model.layers]
     assert all(a.attend_cache is kernels.cache_attention for a in attention)
 
@@ -371,6 +377,7 @@ def test_cache_attention_in_the_model(family, tmp_path):
         with torch.no_grad():
             model(ids[:, :20], torch.arange(20))
             steps.append(torch.cat([model(ids[:, t:t + 1], torch.tensor([t])) for t in range(20, 60)]))
+    assert attention[0].kv_cache.k_cache.dtype == (kv_cache_dtype or torch.float32)
     torch.testing.assert_close(steps[1], steps[0], rtol=1e-4, atol=1e-4)
 
     class Ids:

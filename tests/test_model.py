@@ -79,6 +79,27 @@ def test_cached_decode_equals_full_forward(converted):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_bf16_kv_cache_under_fp32_activations(converted):
+    """--kv_cache_dtype bfloat16: the cache holds bf16, decoding through it equals a full forward that
+    reads the same cache (cached == uncached), and both stay within bf16 rounding of the fp32 cache."""
+    _, path = converted("llama31")
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        fp32_cache = our_logits(load_model(path), ids)
+        model = load_model(path)
+        model.kv_cache_dtype = torch.bfloat16
+        full = our_logits(model, ids)
+        assert model.layers[0].attention.kv_cache.k_cache.dtype == torch.bfloat16
+        assert full.dtype == torch.float32
+        model.setup_caches(2, 24)
+        steps = [model(ids[:, :10], torch.arange(10))]
+        for t in range(10, 24):
+            steps.append(model(ids[:, t:t + 1], torch.tensor([t])))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(full, fp32_cache, atol=3e-2, rtol=3e-2)
+    assert not torch.equal(full, fp32_cache)  # the cache really rounds
+
+
 def test_batch_rows_equal_single(converted):
     _, path = converted("qwen2")
     model = load_model(path)
