@@ -143,20 +143,20 @@ def in_file_mapping(start: int, end: int) -> bool:
     return False
 
 
-def pack(w: Tensor, k_multiple: int = 1, n: int = 1) -> Tensor:
-    """[N, K] -> [ceil(N / 32), K / n, 32, n], or [ceil(N / 32), K, 32] for n = 1 (K padded with zeros
-    to k_multiple, a multiple of n): each block of 32 output columns one stream over k, with a
-    column's n consecutive k side by side (one 32-bit lane of a dot-product instruction). One copy,
-    or two where padding is needed: a model's weights are packed one after another, and each
-    temporary copy is memory the allocator may keep."""
+def pack(w: Tensor, k_multiple: int = 1, n: int = 1, block: int = BLOCK) -> Tensor:
+    """[N, K] -> [ceil(N / block), K / n, block, n], or [ceil(N / block), K, block] for n = 1 (K
+    padded with zeros to k_multiple, a multiple of n): each block of output columns one stream over
+    k, with a column's n consecutive k side by side (one 32-bit lane of a dot-product instruction).
+    One copy, or two where padding is needed: a model's weights are packed one after another, and
+    each temporary copy is memory the allocator may keep."""
     N, K = w.shape
-    if N % BLOCK or K % k_multiple:
-        padded = torch.zeros(-(-N // BLOCK) * BLOCK, -(-K // k_multiple) * k_multiple, dtype=w.dtype)
+    if N % block or K % k_multiple:
+        padded = torch.zeros(-(-N // block) * block, -(-K // k_multiple) * k_multiple, dtype=w.dtype)
         padded[:N, :K] = w
         w = padded
-    blocks, K = w.shape[0] // BLOCK, w.shape[1]
-    packed = w.reshape(blocks, BLOCK, K // n, n).permute(0, 2, 1, 3).contiguous()
-    return packed if n > 1 else packed.view(blocks, K, BLOCK)
+    blocks, K = w.shape[0] // block, w.shape[1]
+    packed = w.reshape(blocks, block, K // n, n).permute(0, 2, 1, 3).contiguous()
+    return packed if n > 1 else packed.view(blocks, K, block)
 
 
 def pack_int8(weight: Tensor, scales: Tensor, isa: str) -> tuple:
@@ -182,12 +182,11 @@ def pack_int4(codes: Tensor, scales_and_zeros: Tensor, isa: str) -> tuple:
     halves = codes.to(torch.uint8).view(-1, 2, BLOCK // 2, Kp)  # [blocks, columns j / j + 16, 16, Kp]
     both = halves[:, 1] << 4
     both |= halves[:, 0]  # [blocks, 16, Kp]: j's code low, j + 16's high
-    n = 4 if isa == "avx512vnni" else 1
-    q = both.view(-1, BLOCK // 2, Kp // n, n).permute(0, 2, 1, 3).contiguous()
+    q = pack(both.view(-1, Kp), n=4 if isa == "avx512vnni" else 1, block=BLOCK // 2)
     G, N, _ = scales_and_zeros.shape
     sz = torch.zeros(G, -(-N // BLOCK) * BLOCK, 2, dtype=torch.bfloat16)
     sz[:, :N] = scales_and_zeros
-    return q if n > 1 else q.view(q.shape[0], Kp, BLOCK // 2), sz.view(G, -1, BLOCK, 2).permute(1, 0, 3, 2).contiguous()
+    return q, sz.view(G, -1, BLOCK, 2).permute(1, 0, 3, 2).contiguous()
 
 
 def pack_bf16(w: Tensor) -> Tensor:
