@@ -126,7 +126,8 @@ def precompiled(fn: Callable, model, args: tuple, kwargs: dict, signature: tuple
                 compiled = torch.compiler.load_compiled_function(f, f_globals=fn.__globals__)
             print(f"compiling: loaded {fn.__qualname__} from {path} in {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr, flush=True)
-        except (OSError, EOFError, RuntimeError, ValueError, TypeError, AttributeError, ImportError) as e:  # stale or torn
+        # Stale (a format this torch no longer reads) or damaged: compile again.
+        except (OSError, EOFError, RuntimeError, ValueError, TypeError, AttributeError, ImportError) as e:
             print(f"compiling: {path} does not load ({type(e).__name__}); compiling again", file=sys.stderr, flush=True)
             path.unlink(missing_ok=True)
             return precompiled(fn, model, args, kwargs, signature)

@@ -347,7 +347,8 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
                    help="weights and activations dtype (default: bfloat16 on CUDA, float16 on MPS, float32 on CPU)")
     p.add_argument("--kv_cache_dtype", choices=["bfloat16", "float32"], default=None,
-                   help="the KV cache's dtype (default: the activations'): bfloat16 under float32 activations halves the bytes a long context's decode step reads, as llama.cpp's F16 cache")
+                   help="the KV cache's dtype (default: the activations'): bfloat16 under float32 activations "
+                        "halves the bytes a long context's decode step reads, as llama.cpp's F16 cache")
     p.add_argument("--profile", type=Path, default=None, help="write a torch profiler trace of the last sample")
     p.add_argument("--seed", type=SEED, default=1234, help="random seed for sampling")
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at end-of-sequence (benchmarks)")

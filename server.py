@@ -559,7 +559,8 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
                    help="weights and activations dtype (default: bfloat16 on CUDA, float16 on MPS, float32 on CPU)")
     p.add_argument("--kv_cache_dtype", choices=["bfloat16", "float32"], default=None,
-                   help="the KV cache's dtype (default: the activations'): bfloat16 under float32 activations halves the bytes a long context's decode step reads, as llama.cpp's F16 cache")
+                   help="the KV cache's dtype (default: the activations'): bfloat16 under float32 activations "
+                        "halves the bytes a long context's decode step reads, as llama.cpp's F16 cache")
     p.add_argument("--model_name", default=None, help="the model id clients use (default: the checkpoint's folder)")
     p.add_argument("--shutdown_timeout", type=finite_float(0), default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C")

@@ -626,10 +626,9 @@ def peer_of(results: list, r: dict, system: str) -> Optional[dict]:
 
 
 def format_table(report: dict) -> str:
-    results = report["results"]
-    gpu = report["machine"].get("gpu")
-    where = gpu or f"{report['machine']['threads']} threads"
-    m = report["machine"]
+    results, m = report["results"], report["machine"]
+    gpu = m.get("gpu")
+    where = gpu or f"{m['threads']} threads"
     lines = [f"{m['cpu']} ({m.get('isa') or m['cpu_capability']}), torch {m['torch']}",
              f"roofline (streaming read, {where}): "
              f"{report['roofline_gbps']:.1f} GB/s; best of {report['settings']['rounds']} round(s)"]

@@ -317,7 +317,8 @@ needs_cache_attention = pytest.mark.skipif(not kernels.cache_attention_supported
 def attention_reference(q, k_cache, v_cache, rows, mask, scale):
     """softmax(q k^T scale, masked) v in float64, the cache rows gathered."""
     B = q.shape[0]
-    k, v = (c[rows if rows is not None else torch.arange(B)][:, :, :mask.shape[-1]].double() for c in (k_cache, v_cache))
+    picked = rows if rows is not None else torch.arange(B)
+    k, v = (c[picked][:, :, :mask.shape[-1]].double() for c in (k_cache, v_cache))
     scores = (q.double() @ k.transpose(-1, -2)) * scale
     return (torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v).to(q.dtype)
 
