@@ -135,20 +135,28 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
     for (int64_t d = 0; d < D; d++)
       qf[i * vecs * 16 + d] = q_bf16 ? float(static_cast<const at::BFloat16*>(q_data)[i * D + d])
                                      : static_cast<const float*>(q_data)[i * D + d];
+  // Positions past the last one a query row sees are never read: a cache longer than the context
+  // so far (generate.py's holds the whole generation) costs nothing until it fills.
+  const bool* mp = mask.data_ptr<bool>();
+  int64_t seen = 0;
+  for (int64_t i = 0; i < (per_row ? B : 1) * R; i++) {
+    int64_t last = S;
+    while (last > seen && !mp[i * S + last - 1]) last--;
+    seen = std::max(seen, last);
+  }
   int threads = at::get_num_threads();
-  int64_t chunks = std::max<int64_t>(1, std::min((2 * threads + B * H - 1) / (B * H), S / MIN_CHUNK));
-  int64_t chunk = (S + chunks - 1) / chunks;
+  int64_t chunks = std::max<int64_t>(1, std::min((2 * threads + B * H - 1) / (B * H), seen / MIN_CHUNK));
+  int64_t chunk = (seen + chunks - 1) / chunks;
   std::vector<Partial> parts(B * H * chunks);
   std::vector<float> accs(B * H * chunks * R * vecs * 16);
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
-  const bool* mp = mask.data_ptr<bool>();
   const float* qp = qf.data();
   at::parallel_for(0, B * H * chunks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores(R * chunk);
     for (int64_t t = t0; t < t1; t++) {
       int64_t b = t / (H * chunks), h = t / chunks % H, c = t % chunks;
-      int64_t s0 = c * chunk, s1 = std::min(S, s0 + chunk);
+      int64_t s0 = c * chunk, s1 = std::min(seen, s0 + chunk);
       int64_t row = rows ? rows[b] : b;
       const T* k = kp + (row * H + h) * cache_S * D;
       const T* v = vp + (row * H + h) * cache_S * D;
@@ -239,7 +247,10 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 }
 
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? rows, Tensor mask, float scale) -> Tensor");
+  // flexible_layout: inductor passes its buffers as they are (the op copies what must be contiguous).
+  // Under its default for custom ops (exact strides) it recomputed the step's mask for every layer.
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? rows, Tensor mask, float scale) -> Tensor",
+        {at::Tag::flexible_layout});
 }
 TORCH_LIBRARY_IMPL(brisk, CPU, m) {
   m.impl("decode_attention", &decode_attention);

@@ -330,8 +330,8 @@ def attention_reference(q, k_cache, v_cache, rows, mask, scale):
 @pytest.mark.parametrize("S", [1, 17, 64, 300])
 def test_cache_attention_equals_float64_reference(dtype, cache_dtype, B, H, R, D, S):
     """attention.cpp's decode attention: one mask for all sequences or one each, cache rows picked
-    out of a larger cache, positions past the mask's length (stale values) never read, and
-    lengths that split into several chunks per head; fp32 query rows over a bf16 cache too
+    out of a larger cache, positions past the mask's length (stale values) never read, contexts
+    shorter than the cache, and lengths that split into several chunks per head; fp32 query rows over a bf16 cache too
     (--kv_cache_dtype bfloat16), exact to fp32 arithmetic on the cache's values."""
     torch.manual_seed(B * 1000 + D + S)
     rows_total, cache_S = B + 2, S + 5
@@ -340,7 +340,10 @@ def test_cache_attention_equals_float64_reference(dtype, cache_dtype, B, H, R, D
     k_cache[:, :, S:] = v_cache[:, :, S:] = float("nan")  # past S: never read
     q = torch.randn(B, H, R, D).to(dtype)
     rows = torch.randperm(rows_total)[:B]
-    for mask in (torch.rand(R, S) < 0.7, torch.rand(B, 1, R, S) < 0.7):
+    # Random masks, and causal ones of a context shorter than the cache (each sequence's own length).
+    lengths = torch.randint(1, S + 1, (B, 1, 1, 1))
+    causal = torch.arange(S) < lengths - torch.arange(R)[:, None].clamp(max=lengths.min() - 1)
+    for mask in (torch.rand(R, S) < 0.7, torch.rand(B, 1, R, S) < 0.7, causal[0, 0], causal):
         mask[..., 0] = True  # every query row sees a position
         for picked in (None, rows):
             got = kernels.cache_attention(q, k_cache, v_cache, picked, mask, D ** -0.5)
