@@ -305,12 +305,15 @@ static void with_rows(int64_t rows, F&& f) {  // f(std::integral_constant<int, r
   f(std::integral_constant<int, R>{});
 }
 
-// y [M, N] over blocks of 32 output columns split between threads, each in tiles of up to
-// rows_per_tile rows of x: tile(b, m, rows, out) writes rows m.. of block b into out.
+// y [..., N] (x's shape and dtype; its M rows flattened) over blocks of 32 output columns split
+// between threads, each in tiles of up to rows_per_tile rows of x: tile(b, m, rows, out) writes rows
+// m.. of block b into out.
 template <class Tile>
-static torch::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t rows_per_tile, const torch::Tensor& like,
+static torch::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t rows_per_tile, const torch::Tensor& x,
                          Tile tile) {
-  auto y = torch::empty({M, N}, like.options());  // fp32, or bf16 (rounded from the fp32 sums)
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  auto y = torch::empty(shape, x.options());  // fp32, or bf16 (rounded from the fp32 sums)
   bool bf16 = y.scalar_type() == torch::kBFloat16;
   char* yp = static_cast<char*>(y.data_ptr());
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
@@ -336,13 +339,13 @@ static torch::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t rows_per_
 
 // The fp32-FMA tiles for a weight format W (`format(b, m)`: block b's, for rows from m).
 template <class Format>
-static torch::Tensor run_fma(const torch::Tensor& x2, int64_t N, int64_t blocks, c10::string_view isa,
+static torch::Tensor run_fma(const torch::Tensor& x, int64_t N, int64_t blocks, c10::string_view isa,
                              Format format) {
   bool wide = isa == "avx512" || isa == "avx512vnni";
   TORCH_CHECK(wide || isa == "avx2", "kernels: unknown instruction set ", isa);
-  int64_t K = x2.size(1);
-  const float* xp = x2.data_ptr<float>();
-  return run(x2.size(0), N, blocks, wide ? 8 : 6, x2, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+  int64_t K = x.size(-1);
+  const float* xp = x.data_ptr<float>();
+  return run(x.numel() / K, N, blocks, wide ? 8 : 6, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
     auto w = format(b, m);
     if (wide)
       with_rows<1, 8>(rows, [&](auto R) { tile_avx512<decltype(R)::value>(xp + m * K, K, w, out); });
@@ -352,16 +355,16 @@ static torch::Tensor run_fma(const torch::Tensor& x2, int64_t N, int64_t blocks,
 }
 
 template <bool INT4>
-static torch::Tensor run_vnni(const torch::Tensor& x2, int64_t N, int64_t blocks, int64_t Kp, const uint8_t* w,
+static torch::Tensor run_vnni(const torch::Tensor& x, int64_t N, int64_t blocks, int64_t Kp, const uint8_t* w,
                               const float* scales, const uint16_t* sz, int64_t group) {
-  int64_t M = x2.size(0), K = x2.size(1), bytes = INT4 ? BLOCK / 2 : BLOCK, nb = Kp / BLOCK;
-  QuantizedRows xq = quantize_rows(x2.data_ptr<float>(), M, K, Kp);
+  int64_t K = x.size(-1), M = x.numel() / K, bytes = INT4 ? BLOCK / 2 : BLOCK, nb = Kp / BLOCK;
+  QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K, Kp);
   // int4's zero term takes the sums of the rounded x too, so that the rounding's error is
   // d(x) * w as for int8, not d(x) * (q s), which is off-centre by 8 s.
   std::vector<float> xsum(INT4 ? M * (Kp / group) : 0);
   for (int64_t m = 0; m < M && INT4; m++)
     for (int64_t b = 0; b < nb; b++) xsum[m * (Kp / group) + b * BLOCK / group] += xq.d[m * nb + b] * xq.sum[m * nb + b];
-  return run(M, N, blocks, 4, x2, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+  return run(M, N, blocks, 4, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
     with_rows<1, 4>(rows, [&](auto R) {
       tile_vnni<decltype(R)::value, INT4>(xq, m, Kp, w + b * Kp * bytes, INT4 ? nullptr : scales + b * BLOCK,
                                           INT4 ? sz + b * (Kp / group) * 2 * BLOCK : nullptr, xsum.data(), group, out);
@@ -369,16 +372,12 @@ static torch::Tensor run_vnni(const torch::Tensor& x2, int64_t N, int64_t blocks
   });
 }
 
+// x's rows, read in place where x is contiguous (the usual case): no reshape or view through the
+// dispatcher, whose calls add up over the few hundred products of a small model's step.
 static torch::Tensor rows_of(const torch::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.size(-1) == K, "kernels: x must be float32 with ", K,
-              " features");
-  return x.reshape({-1, K}).contiguous();
-}
-
-static torch::Tensor shaped(const torch::Tensor& y, const torch::Tensor& x, int64_t N) {
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  return y.view(shape);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() >= 1 && x.size(-1) == K, "kernels: x must be float32 with ",
+              K, " features");
+  return x.is_contiguous() ? x : x.contiguous();
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, c10::string_view isa) {
@@ -387,7 +386,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
               blocks * BLOCK >= N, "packed_linear: a float32 weight packed [N / 32, K, 32]");
   auto x2 = rows_of(x, K);
   const float* wp = packed.data_ptr<float>();
-  return shaped(run_fma(x2, N, blocks, isa, [&](int64_t b, int64_t m) { return F32{wp + b * K * BLOCK, K}; }), x, N);
+  return run_fma(x2, N, blocks, isa, [&](int64_t b, int64_t m) { return F32{wp + b * K * BLOCK, K}; });
 }
 
 // int8: packed int8 [N / 32, K, 32] (FMA), or uint8 [N / 32, Kp / 4, 32, 4] holding w + 128 (VNNI).
@@ -403,11 +402,9 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
               scales.is_contiguous(), "packed_linear_int8: float32 scales, one per packed column");
   auto x2 = rows_of(x, K);
   const float* sp = scales.data_ptr<float>();
-  if (vnni) return shaped(run_vnni<false>(x2, N, blocks, Kp, packed.data_ptr<uint8_t>(), sp, nullptr, Kp), x, N);
+  if (vnni) return run_vnni<false>(x2, N, blocks, Kp, packed.data_ptr<uint8_t>(), sp, nullptr, Kp);
   const int8_t* wp = packed.data_ptr<int8_t>();
-  return shaped(run_fma(x2, N, blocks, isa, [&](int64_t b, int64_t m) {
-    return Int8{wp + b * K * BLOCK, sp + b * BLOCK, K};
-  }), x, N);
+  return run_fma(x2, N, blocks, isa, [&](int64_t b, int64_t m) { return Int8{wp + b * K * BLOCK, sp + b * BLOCK, K}; });
 }
 
 // int4: packed uint8 [N / 32, Kp, 16] (FMA) or [N / 32, Kp / 4, 16, 4] (VNNI), Kp: K padded to
@@ -429,14 +426,15 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
   auto x2 = rows_of(x, K);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
-  if (vnni) return shaped(run_vnni<true>(x2, N, blocks, Kp, wp, nullptr, sp, group), x, N);
-  std::vector<float> xs(x2.size(0) * groups);  // sum of each row's x over each group
+  if (vnni) return run_vnni<true>(x2, N, blocks, Kp, wp, nullptr, sp, group);
+  int64_t M = x2.numel() / K;
+  std::vector<float> xs(M * groups);  // sum of each row's x over each group
   const float* xp = x2.data_ptr<float>();
-  for (int64_t m = 0; m < x2.size(0); m++)
+  for (int64_t m = 0; m < M; m++)
     for (int64_t k = 0; k < K; k++) xs[m * groups + k / group] += xp[m * K + k];
-  return shaped(run_fma(x2, N, blocks, isa, [&](int64_t b, int64_t m) {
+  return run_fma(x2, N, blocks, isa, [&](int64_t b, int64_t m) {
     return Int4{wp + b * Kp * BLOCK / 2, sp + b * groups * 2 * BLOCK, xs.data() + m * groups, group, groups};
-  }), x, N);
+  });
 }
 
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
@@ -447,14 +445,12 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, i
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "packed_linear_bf16: x must be bf16");
   static const bool supported = has_bf16_dot();  // asked once, not on every call of a decode step
   TORCH_CHECK(supported, "packed_linear_bf16: this CPU has no AVX-512 BF16");
-  auto x2 = x.reshape({-1, K});
-  x2 = K % 2 ? torch::constant_pad_nd(x2, {0, 1}) : x2.contiguous();  // whole pairs
+  auto x2 = K % 2 ? torch::constant_pad_nd(x, {0, 1}) : x.is_contiguous() ? x : x.contiguous();  // whole pairs
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x2.data_ptr<at::BFloat16>());
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
-  auto y = run(x2.size(0), N, blocks, 8, x2, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+  return run(x2.numel() / (2 * K2), N, blocks, 8, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
     with_rows<1, 8>(rows, [&](auto R) { tile_bf16<decltype(R)::value>(xp + m * K2, K2, wp + b * K2 * BLOCK, out); });
   });
-  return shaped(y, x, N);
 }
 
 // Rows of the embedding tied to a packed output projection: row i is column i % 32 of block i / 32.
