@@ -134,8 +134,11 @@ def precompiled(fn: Callable, model, args: tuple, kwargs: dict, signature: tuple
     else:
         sequence_dims_dynamic(model)
         with torch._dynamo.config.patch(DYNAMO_SEQUENCE_DIMS):
+            # The C++ wrapper: a step calls a few hundred kernels and ops, each a Python call in
+            # inductor's default wrapper (README, How it works).
             compiled = size_asserts_off(torch.compile(
-                fn, fullgraph=True, options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+                fn, fullgraph=True, options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
+                                             "cpp_wrapper": True}
             ).aot_compile)(((model, *args), kwargs))
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda tmp: compiled.save_compiled_function(str(tmp)))

@@ -25,10 +25,9 @@ from torch import Tensor, nn
 from model import FeedForward, Transformer
 
 BLOCK = 32  # output columns per packed block (kernels.cpp)
-# compiling.py, for every module that calls these ops: inductor's C++ wrapper calls them more
-# slowly than its Python one does, and freezing the weights gains nothing (they are packed already)
-# while it costs every warm start (compiling.needs_freezing).
-INDUCTOR_HINTS = {"cpp_wrapper": False, "freeze": False}
+# compiling.py, for every module that calls these ops: freezing the weights gains nothing (they
+# are packed already) while it costs every warm start (compiling.needs_freezing).
+INDUCTOR_HINTS = {"freeze": False}
 
 
 @functools.cache
