@@ -286,6 +286,12 @@ bool has_bf16_dot() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
 }
 
+// The ops' isa argument (kernels.ISA_CODES).
+constexpr int64_t ISA_AVX2 = 0, ISA_AVX512 = 1, ISA_AVX512VNNI = 2;
+static const char* isa_name(int64_t isa) {
+  return isa == ISA_AVX2 ? "avx2" : isa == ISA_AVX512 ? "avx512" : isa == ISA_AVX512VNNI ? "avx512vnni" : "?";
+}
+
 // "avx512vnni", "avx512", "avx2" or "" (none: kernels.py does not pack then).
 std::string best_isa() {
   __builtin_cpu_init();
@@ -339,10 +345,9 @@ static torch::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t rows_per_
 
 // The fp32-FMA tiles for a weight format W (`format(b, m)`: block b's, for rows from m).
 template <class Format>
-static torch::Tensor run_fma(const torch::Tensor& x, int64_t N, int64_t blocks, c10::string_view isa,
-                             Format format) {
-  bool wide = isa == "avx512" || isa == "avx512vnni";
-  TORCH_CHECK(wide || isa == "avx2", "kernels: unknown instruction set ", isa);
+static torch::Tensor run_fma(const torch::Tensor& x, int64_t N, int64_t blocks, int64_t isa, Format format) {
+  bool wide = isa == ISA_AVX512 || isa == ISA_AVX512VNNI;
+  TORCH_CHECK(wide || isa == ISA_AVX2, "kernels: unknown instruction set ", isa);
   int64_t K = x.size(-1);
   const float* xp = x.data_ptr<float>();
   return run(x.numel() / K, N, blocks, wide ? 8 : 6, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
@@ -380,7 +385,7 @@ static torch::Tensor rows_of(const torch::Tensor& x, int64_t K) {
   return x.is_contiguous() ? x : x.contiguous();
 }
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, c10::string_view isa) {
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t isa) {
   int64_t blocks = packed.size(0), K = packed.size(1);
   TORCH_CHECK(packed.scalar_type() == torch::kFloat && packed.dim() == 3 && packed.size(2) == BLOCK &&
               blocks * BLOCK >= N, "packed_linear: a float32 weight packed [N / 32, K, 32]");
@@ -391,13 +396,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
 
 // int8: packed int8 [N / 32, K, 32] (FMA), or uint8 [N / 32, Kp / 4, 32, 4] holding w + 128 (VNNI).
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, int64_t N,
-                          c10::string_view isa) {
-  bool vnni = isa == "avx512vnni";
+                          int64_t isa) {
+  bool vnni = isa == ISA_AVX512VNNI;
   int64_t blocks = packed.size(0), K = x.size(-1), Kp = vnni ? packed.size(1) * 4 : packed.size(1);
   TORCH_CHECK(vnni ? packed.scalar_type() == torch::kByte && packed.dim() == 4 && packed.size(2) == BLOCK &&
                          packed.size(3) == 4 && Kp == (K + BLOCK - 1) / BLOCK * BLOCK
                    : packed.scalar_type() == torch::kChar && packed.dim() == 3 && packed.size(2) == BLOCK && Kp == K,
-              "packed_linear_int8: a weight packed for ", isa, " with ", K, " input features");
+              "packed_linear_int8: a weight packed for ", isa_name(isa), " with ", K, " input features");
   TORCH_CHECK(blocks * BLOCK >= N && scales.scalar_type() == torch::kFloat && scales.numel() == blocks * BLOCK &&
               scales.is_contiguous(), "packed_linear_int8: float32 scales, one per packed column");
   auto x2 = rows_of(x, K);
@@ -411,13 +416,13 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
 // whole groups (x may have fewer features: the padding meets no x); bf16 scales and zeros
 // [N / 32, groups, 2, 32].
 torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz, int64_t N,
-                          c10::string_view isa) {
-  bool vnni = isa == "avx512vnni";
+                          int64_t isa) {
+  bool vnni = isa == ISA_AVX512VNNI;
   int64_t blocks = packed.size(0), Kp = vnni ? packed.size(1) * 4 : packed.size(1), groups = sz.size(1),
           K = x.size(-1);
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == (vnni ? 4 : 3) &&
               packed.size(2) == BLOCK / 2 && (!vnni || packed.size(3) == 4) && blocks * BLOCK >= N,
-              "packed_linear_int4: a uint8 weight packed for ", isa);
+              "packed_linear_int4: a uint8 weight packed for ", isa_name(isa));
   TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.dim() == 4 && sz.size(0) == blocks && sz.size(2) == 2 &&
               sz.size(3) == BLOCK && sz.is_contiguous() && Kp % groups == 0 && Kp / groups % BLOCK == 0,
               "packed_linear_int4: bf16 scales and zeros packed [N / 32, groups, 2, 32] of groups of 32k columns");
@@ -495,9 +500,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 // Operators of torch's own registry, so that a compiled graph calls the kernels without passing
 // through Python (kernels.py adds the shape functions torch.compile traces with).
 TORCH_LIBRARY(brisk, m) {
-  m.def("packed_linear(Tensor x, Tensor packed, int out_features, str isa) -> Tensor");
-  m.def("packed_linear_int8(Tensor x, Tensor packed, Tensor scales, int out_features, str isa) -> Tensor");
-  m.def("packed_linear_int4(Tensor x, Tensor packed, Tensor scales_and_zeros, int out_features, str isa) -> Tensor");
+  // isa: kernels.ISA_CODES. An int, not the name: inductor's C++ wrapper calls ops whose arguments
+  // are all tensors and numbers through a light C call, a string through heavy boxed dispatch code
+  // (a minute longer to compile a 30-layer step).
+  m.def("packed_linear(Tensor x, Tensor packed, int out_features, int isa) -> Tensor");
+  m.def("packed_linear_int8(Tensor x, Tensor packed, Tensor scales, int out_features, int isa) -> Tensor");
+  m.def("packed_linear_int4(Tensor x, Tensor packed, Tensor scales_and_zeros, int out_features, int isa) -> Tensor");
   m.def("packed_linear_bf16(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("packed_embedding(Tensor idx, Tensor packed, int dim) -> Tensor");
 }

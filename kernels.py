@@ -28,6 +28,7 @@ BLOCK = 32  # output columns per packed block (kernels.cpp)
 # compiling.py, for every module that calls these ops: freezing the weights gains nothing (they
 # are packed already) while it costs every warm start (compiling.needs_freezing).
 INDUCTOR_HINTS = {"freeze": False}
+ISA_CODES = {"avx2": 0, "avx512": 1, "avx512vnni": 2}  # the ops' isa argument (kernels.cpp)
 
 
 @functools.cache
@@ -223,7 +224,7 @@ class PackedLinear(nn.Module):
         if self.packed.dtype == torch.bfloat16:
             y = torch.ops.brisk.packed_linear_bf16(x, self.packed, self.out_features)
         else:
-            y = torch.ops.brisk.packed_linear(x, self.packed, self.out_features, self.isa)
+            y = torch.ops.brisk.packed_linear(x, self.packed, self.out_features, ISA_CODES[self.isa])
         return y if self.bias is None else y + self.bias
 
 

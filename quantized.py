@@ -227,7 +227,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel == "packed":
             y = torch.ops.brisk.packed_linear_int8(x.float(), self.weight, self.scales, self.out_features,
-                                                   self.isa).to(x.dtype)
+                                                   kernels.ISA_CODES[self.isa]).to(x.dtype)
         else:
             y = int8_matmul(x.reshape(-1, self.in_features), self.weight, self.scales, self.kernel)
             y = y.reshape(*x.shape[:-1], self.out_features)
@@ -293,7 +293,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel == "packed":
             y = torch.ops.brisk.packed_linear_int4(x.float(), self.weight, self.scales_and_zeros, self.out_features,
-                                                   self.isa).to(x.dtype)
+                                                   kernels.ISA_CODES[self.isa]).to(x.dtype)
         else:
             y = int4_matmul(x.reshape(-1, self.in_features), self.weight, self.scales_and_zeros, self.groupsize,
                             self.kernel)

@@ -79,7 +79,7 @@ def test_packed_int4_equals_float64_product(isa, n, k, groupsize):
     for rows in ROWS:
         x = torch.randn(2, rows, k)
         expected = (rounded_activations(x, isa) @ deq.T).float()
-        got = torch.ops.brisk.packed_linear_int4(x, packed, packed_sz, n, isa)
+        got = torch.ops.brisk.packed_linear_int4(x, packed, packed_sz, n, kernels.ISA_CODES[isa])
         # fp32 sums of terms up to 15 s |x| (the codes are not centred): a few 1e-4 off at |y| ~ 20.
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=5e-4)
 
