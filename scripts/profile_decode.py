@@ -7,6 +7,7 @@ Prints the top operators by self time, in milliseconds per token and as a share 
 next to the step's wall time; --trace also writes a Chrome trace (chrome://tracing, Perfetto).
 """
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ if __name__ == "__main__":  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import decode  # noqa: E402
 import load  # noqa: E402
-from compiling import compile_step, skip_guards  # noqa: E402
+from compiling import compile_step, compiled_steps_dir, skip_guards  # noqa: E402
 from errors import check_output_file, error_boundary, positive_int  # noqa: E402
 from kernels import pack_for_cpu  # noqa: E402
 
@@ -80,6 +81,8 @@ def main(argv=None):
     if args.kernels:
         import torch._inductor.config as inductor_config
         inductor_config.cpp.enable_kernel_profile = True
+        # compiling.precompiled names its files without inductor's settings: profiled steps apart.
+        os.environ["BRISK_COMPILE_CACHE"] = str(compiled_steps_dir() / "profiled")
     with error_boundary():
         if args.trace is not None:
             check_output_file(args.trace, "--trace")
