@@ -377,12 +377,13 @@ static torch::Tensor run_vnni(const torch::Tensor& x, int64_t N, int64_t blocks,
   });
 }
 
-// x's rows, read in place where x is contiguous (the usual case): no reshape or view through the
-// dispatcher, whose calls add up over the few hundred products of a small model's step.
+// x's rows, read in place where x is contiguous (the usual case; contiguous() then returns x
+// without a dispatch): no reshape or view through the dispatcher, whose calls add up over the few
+// hundred products of a small model's step.
 static torch::Tensor rows_of(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() >= 1 && x.size(-1) == K, "kernels: x must be float32 with ",
               K, " features");
-  return x.is_contiguous() ? x : x.contiguous();
+  return x.contiguous();
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t isa) {
@@ -450,7 +451,7 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, i
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "packed_linear_bf16: x must be bf16");
   static const bool supported = has_bf16_dot();  // asked once, not on every call of a decode step
   TORCH_CHECK(supported, "packed_linear_bf16: this CPU has no AVX-512 BF16");
-  auto x2 = K % 2 ? torch::constant_pad_nd(x, {0, 1}) : x.is_contiguous() ? x : x.contiguous();  // whole pairs
+  auto x2 = K % 2 ? torch::constant_pad_nd(x, {0, 1}) : x.contiguous();  // whole pairs
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x2.data_ptr<at::BFloat16>());
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
   return run(x2.numel() / (2 * K2), N, blocks, 8, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
