@@ -113,6 +113,7 @@ def precompiled(fn: Callable, model, args: tuple, kwargs: dict, signature: tuple
     evaluation either: a visible part of a small model's step."""
     import sys
     import time
+    import torch._inductor.config as inductor_config
     import torch._inductor.inductor_prims  # noqa: F401  (model.in_memory's prim)
     from load import atomic_write
     key = hashlib.sha256(repr((code_digest(), torch.__version__, machine_digest(), structure_digest(model),
@@ -122,7 +123,7 @@ def precompiled(fn: Callable, model, args: tuple, kwargs: dict, signature: tuple
     t0 = time.perf_counter()
     if path.is_file():
         try:
-            with open(path, "rb") as f:
+            with open(path, "rb") as f, inductor_config.patch(load_options(path)):
                 compiled = torch.compiler.load_compiled_function(f, f_globals=fn.__globals__)
             print(f"compiling: loaded {fn.__qualname__} from {path} in {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr, flush=True)
@@ -137,16 +138,49 @@ def precompiled(fn: Callable, model, args: tuple, kwargs: dict, signature: tuple
             # The C++ wrapper: a step calls a few hundred kernels and ops, each a Python call in
             # inductor's default wrapper. Built apart from the kernels, at a lower optimisation
             # level: in one file at -O3 it took a minute longer to compile than the kernels.
+            # Without precompiled headers: a step builds two libraries, each parsing torch's
+            # headers once either way, and a warm load would hash the headers (load_options).
             compiled = size_asserts_off(torch.compile(
                 fn, fullgraph=True, options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
-                                             "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+                                             "cpp_wrapper": True, "cpp_wrapper_build_separate": True,
+                                             "cpp_cache_precompile_headers": False}
             ).aot_compile)(((model, *args), kwargs))
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda tmp: compiled.save_compiled_function(str(tmp)))
+        record_vec_isa(path)
         print(f"compiling: compiled {fn.__qualname__} in {time.perf_counter() - t0:.1f} s, saved to {path}",
               file=sys.stderr, flush=True)
     compiled.disable_guard_check()
     return compiled
+
+
+def record_vec_isa(path):
+    """Write beside a compiled step the vector instruction set inductor picked for its kernels,
+    after probing (building and loading a test library for each one the CPU lists)."""
+    from load import atomic_write_text
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    atomic_write_text(path.with_suffix(".isa"), str(pick_vec_isa()))
+
+
+def load_options(path) -> dict:
+    """inductor's settings for loading the compiled step at `path`, whose libraries it built when
+    it compiled the step (half of a warm start's load went to checks that need no redoing):
+    - no precompiled headers, as the step was built: with them, inductor preprocesses the whole
+      of torch's headers to hash them before it even looks for the built libraries.
+    - no probe of the CPU's vector instruction sets (building and loading a test library for each
+      set the CPU lists, in subprocesses) when the probe would pick what it picked at compile time
+      on this machine: the best set listed. Otherwise (another pick: $ATEN_CPU_CAPABILITY, a set
+      that failed its probe; no record; a torch without these names) inductor probes as usual."""
+    options = {"cpp_cache_precompile_headers": False}
+    try:
+        from torch._inductor.cpu_vec_isa import supported_vec_isa_list, x86_isa_checker
+        listed = x86_isa_checker()
+        best = next((str(isa) for isa in supported_vec_isa_list if all(f in listed for f in str(isa).split())), None)
+        if best is not None and path.with_suffix(".isa").read_text() == best:
+            options["cpp.vec_isa_ok"] = True
+    except (ImportError, OSError):
+        pass
+    return options
 
 
 def compiled_steps_dir():
