@@ -143,20 +143,28 @@ def in_file_mapping(start: int, end: int) -> bool:
     return False
 
 
-def pack(w: Tensor, k_multiple: int = 1, n: int = 1, block: int = BLOCK) -> Tensor:
+def pack(w: Tensor, k_multiple: int = 1, n: int = 1, block: int = BLOCK, out: Optional[Tensor] = None) -> Tensor:
     """[N, K] -> [ceil(N / block), K / n, block, n], or [ceil(N / block), K, block] for n = 1 (K
     padded with zeros to k_multiple, a multiple of n): each block of output columns one stream over
     k, with a column's n consecutive k side by side (one 32-bit lane of a dot-product instruction).
     One copy, or two where padding is needed: a model's weights are packed one after another, and
-    each temporary copy is memory the allocator may keep."""
+    each temporary copy is memory the allocator may keep. out: where to write it (a slice of a
+    stacked weight, pack_stacked)."""
     N, K = w.shape
     if N % block or K % k_multiple:
         padded = torch.zeros(-(-N // block) * block, -(-K // k_multiple) * k_multiple, dtype=w.dtype)
         padded[:N, :K] = w
         w = padded
     blocks, K = w.shape[0] // block, w.shape[1]
-    packed = w.reshape(blocks, block, K // n, n).permute(0, 2, 1, 3).contiguous()
-    return packed if n > 1 else packed.view(blocks, K, block)
+    if out is None:
+        out = torch.empty(blocks, K // n, block, n, dtype=w.dtype)
+    if n * w.element_size() == 4 and w.is_contiguous() and w.storage_offset() * w.element_size() % 4 == 0:
+        # A lane's n values moved as one int32: torch copies 4-byte elements several times faster.
+        out.view(blocks, K // n, block * n).view(torch.int32).copy_(
+            w.view(torch.int32).view(blocks, block, K // n).transpose(1, 2))
+    else:
+        out.view(blocks, K // n, block, n).copy_(w.reshape(blocks, block, K // n, n).permute(0, 2, 1, 3))
+    return out.view(blocks, K, block) if n == 1 else out
 
 
 def pack_int8(weight: Tensor, scales: Tensor, isa: str) -> tuple:
@@ -189,9 +197,28 @@ def pack_int4(codes: Tensor, scales_and_zeros: Tensor, isa: str) -> tuple:
     return q, sz.view(G, -1, BLOCK, 2).permute(1, 0, 3, 2).contiguous()
 
 
-def pack_bf16(w: Tensor) -> Tensor:
+def pack_bf16(w: Tensor, out: Optional[Tensor] = None) -> Tensor:
     """bf16 [N, K] -> [N / 32, K / 2, 32, 2] (K padded to even): the pairs vdpbf16ps multiplies."""
-    return pack(w, k_multiple=2, n=2)
+    return pack(w, k_multiple=2, n=2, out=out)
+
+
+def pack_stacked(linears: list, isa: str) -> "PackedLinear":
+    """One PackedLinear for fp32 or bf16 nn.Linears without bias that read the same input (all
+    but the last filling whole blocks of 32 outputs), their outputs one after another: each
+    packed straight into its place (packed apart and concatenated, every byte was written twice,
+    most of a large model's packing time)."""
+    w, K = linears[0].weight, linears[0].in_features
+    blocks = [-(-m.out_features // BLOCK) for m in linears]
+    out = torch.empty(sum(blocks), *((K, BLOCK) if w.dtype == torch.float32 else (-(-K // 2), BLOCK, 2)), dtype=w.dtype)
+    start = 0
+    for m, n in zip(linears, blocks):
+        if m.weight.dtype == torch.bfloat16:
+            pack_bf16(m.weight.detach(), out[start:start + n])
+        else:
+            pack(m.weight.detach(), out=out[start:start + n])
+        start += n
+    shape = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears), bias=False, device="meta")
+    return PackedLinear(shape, isa, out)
 
 
 class PackedLinear(nn.Module):
@@ -236,6 +263,11 @@ def concatenable(a: nn.Module, b: nn.Module, wa: Tensor, wb: Tensor) -> bool:
             and wa.dtype == wb.dtype)
 
 
+def hookless(ff: FeedForward) -> bool:
+    """Whether ff's w1 and w3 carry no hooks (tp.py's), which one layer for both could not keep."""
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in (ff.w1, ff.w3))
+
+
 class PackedFeedForward(nn.Module):
     """model.FeedForward with w1 and w3, which read the same x, as one packed product of twice the
     outputs: one call and (int8 / int4) one rounding of x instead of two. A small model's products
@@ -256,9 +288,8 @@ def fuse_feed_forwards(model: Transformer) -> None:
     quantized.py's packed int8 / int4 layers) -> PackedFeedForward, in place."""
     for layer in model.layers:
         ff = layer.feed_forward
-        if type(ff) is not FeedForward or type(ff.w1) is not type(ff.w3) or not hasattr(ff.w1, "concat"):
-            continue
-        if ff.w1._forward_hooks or ff.w1._forward_pre_hooks or ff.w3._forward_hooks or ff.w3._forward_pre_hooks:
+        if type(ff) is not FeedForward or type(ff.w1) is not type(ff.w3) or not hasattr(ff.w1, "concat") \
+                or not hookless(ff):
             continue
         w13 = ff.w1.concat(ff.w3)
         if w13 is not None:
@@ -341,6 +372,15 @@ def pack_linears(model: Transformer, isa: Optional[str] = None) -> Transformer:
     isa = isa or best_isa()
     dtypes = packable_dtypes()
     tied = model.output.weight is model.tok_embeddings.weight
+    for layer in model.layers:  # w1 and w3 stacked as they are packed (fuse_feed_forwards would copy them again)
+        ff = layer.feed_forward
+        if type(ff) is FeedForward and all(type(m) is nn.Linear and m.weight.dtype in dtypes for m in (ff.w1, ff.w3)) \
+                and hookless(ff) and concatenable(ff.w1, ff.w3, ff.w1.weight, ff.w3.weight):
+            layer.feed_forward = PackedFeedForward(ff, pack_stacked([ff.w1, ff.w3], isa))
+            release_pages(ff.w1.weight)
+            release_pages(ff.w3.weight)
+            del ff
+            trim_heap()
     for module, name in [(module, name) for module in model.modules() for name, child in module.named_children()
                          if type(child) is nn.Linear and child.weight.dtype in dtypes]:
         replace_linear(module, name, isa)

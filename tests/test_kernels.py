@@ -187,6 +187,24 @@ def test_fused_feed_forward_is_its_two_products(isa, kind):
             assert torch.equal(model.layers[0].feed_forward(x), ff(x)), (hidden, rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_weights_are_the_packed_weights_one_after_another(dtype):
+    """pack_stacked packs each weight straight into its place in one tensor: the same bytes as
+    packing each (also where a weight's rows or k need padding, and in the int32 moves of the bf16
+    pairs) and concatenating."""
+    if kernels.best_isa() == "":
+        pytest.skip("kernels.cpp has no code for this CPU")
+    torch.manual_seed(5)
+    for k in (64, 37):
+        linears = [nn.Linear(k, n, bias=False).to(dtype) for n in (96, 64, 50)]
+        stacked = kernels.pack_stacked(linears, kernels.best_isa())
+        assert torch.equal(stacked.packed, torch.cat([kernels.PackedLinear(m, "avx2").packed for m in linears]))
+        assert stacked.packed.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).unique().numel() > 2
+        x = torch.randn(3, k).to(dtype)
+        if dtype == torch.float32 or kernels.bf16_dot():
+            torch.testing.assert_close(stacked(x), torch.cat([m(x) for m in linears], dim=-1), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("family", ["llama31", "qwen2", "gemma2"])
 def test_packed_model_matches_transformers(family, isa, tmp_path):
     """Packed in place: no nn.Linear left, a tied embedding reads the output's packed weight (one
