@@ -65,9 +65,11 @@ struct Int8 {
 // int4: 16 bytes per block row, byte j holding column j (low nibble) and column j + 16 (high).
 struct Int4 {
   const uint8_t* w;
-  const uint16_t* sz;  // bf16 [groups, 2, 32]: the block's scales, then its zeros, per group
+  const uint16_t* sz;  // bf16 [groups, 2, 32]: the block's scales, then its zeros, per group; or
+                       // [groups, 32], scales alone, where every zero is 0 (symmetric: 4.5 bits a weight)
   const float* xsum;   // sum of x over each group, [rows, groups]
   int64_t group, groups;
+  bool zeros;          // sz holds zeros
   AVX512 void get(int64_t k, __m512& a, __m512& b) const {
     __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w + k * BLOCK / 2)));
     a = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
@@ -85,13 +87,16 @@ struct Int4 {
       b = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
     }
   }
-  AVX512 __m512 scale512(int64_t g, int64_t c) const { return bf16x16(sz + g * 2 * BLOCK + c); }
-  AVX2 __m256 scale256(int64_t g, int64_t c) const { return bf16x8(sz + g * 2 * BLOCK + c); }
+  int64_t stride() const { return zeros ? 2 * BLOCK : BLOCK; }  // sz per group
+  AVX512 __m512 scale512(int64_t g, int64_t c) const { return bf16x16(sz + g * stride() + c); }
+  AVX2 __m256 scale256(int64_t g, int64_t c) const { return bf16x8(sz + g * stride() + c); }
   AVX512 __m512 offset512(int64_t g, int64_t c) const {  // z - 8 s
-    return _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale512(g, c), bf16x16(sz + g * 2 * BLOCK + BLOCK + c));
+    __m512 z = zeros ? bf16x16(sz + g * stride() + BLOCK + c) : _mm512_setzero_ps();
+    return _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale512(g, c), z);
   }
   AVX2 __m256 offset256(int64_t g, int64_t c) const {
-    return _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scale256(g, c), bf16x8(sz + g * 2 * BLOCK + BLOCK + c));
+    __m256 z = zeros ? bf16x8(sz + g * stride() + BLOCK + c) : _mm256_setzero_ps();
+    return _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scale256(g, c), z);
   }
 };
 
@@ -200,10 +205,11 @@ VNNI static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, in
 }
 
 // Up to 4 rows: 8 integer and 8 float accumulators. INT4: 64 bytes per k-quad (columns j and
-// j + 16 in a byte's nibbles), a scale and zero per `group`; int8: 128 bytes, one scale at the end.
+// j + 16 in a byte's nibbles), a scale and zero per `group` (zeros: false for scales alone); int8:
+// 128 bytes, one scale at the end.
 template <int ROWS, bool INT4>
 VNNI static void tile_vnni(const QuantizedRows& x, int64_t m0, int64_t Kp, const uint8_t* w, const float* scales,
-                           const uint16_t* sz, const float* xsum, int64_t group, float (*out)[BLOCK]) {
+                           const uint16_t* sz, bool zeros, const float* xsum, int64_t group, float (*out)[BLOCK]) {
   int64_t nb = Kp / BLOCK, groups = Kp / group;
   const int32_t* xq = reinterpret_cast<const int32_t*>(x.q.data()) + m0 * Kp / 4;
   __m512 fa[ROWS][2];
@@ -226,7 +232,7 @@ VNNI static void tile_vnni(const QuantizedRows& x, int64_t m0, int64_t Kp, const
       }
     }
     if constexpr (INT4) {  // out += d s sum q x, and at a group's end (z - 8 s) sum x
-      Int4 f{nullptr, sz, nullptr, group, groups};
+      Int4 f{nullptr, sz, nullptr, group, groups, zeros};
       int64_t g = b * BLOCK / group;
       __m512 s[2] = {f.scale512(g, 0), f.scale512(g, 16)};
       for (int m = 0; m < ROWS; m++) {
@@ -361,7 +367,7 @@ static torch::Tensor run_fma(const torch::Tensor& x, int64_t N, int64_t blocks, 
 
 template <bool INT4>
 static torch::Tensor run_vnni(const torch::Tensor& x, int64_t N, int64_t blocks, int64_t Kp, const uint8_t* w,
-                              const float* scales, const uint16_t* sz, int64_t group) {
+                              const float* scales, const uint16_t* sz, bool zeros, int64_t group) {
   int64_t K = x.size(-1), M = x.numel() / K, bytes = INT4 ? BLOCK / 2 : BLOCK, nb = Kp / BLOCK;
   QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K, Kp);
   // int4's zero term takes the sums of the rounded x too, so that the rounding's error is
@@ -372,7 +378,8 @@ static torch::Tensor run_vnni(const torch::Tensor& x, int64_t N, int64_t blocks,
   return run(M, N, blocks, 4, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
     with_rows<1, 4>(rows, [&](auto R) {
       tile_vnni<decltype(R)::value, INT4>(xq, m, Kp, w + b * Kp * bytes, INT4 ? nullptr : scales + b * BLOCK,
-                                          INT4 ? sz + b * (Kp / group) * 2 * BLOCK : nullptr, xsum.data(), group, out);
+                                          INT4 ? sz + b * (Kp / group) * (zeros ? 2 : 1) * BLOCK : nullptr, zeros,
+                                          xsum.data(), group, out);
     });
   });
 }
@@ -408,14 +415,14 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
               scales.is_contiguous(), "packed_linear_int8: float32 scales, one per packed column");
   auto x2 = rows_of(x, K);
   const float* sp = scales.data_ptr<float>();
-  if (vnni) return run_vnni<false>(x2, N, blocks, Kp, packed.data_ptr<uint8_t>(), sp, nullptr, Kp);
+  if (vnni) return run_vnni<false>(x2, N, blocks, Kp, packed.data_ptr<uint8_t>(), sp, nullptr, false, Kp);
   const int8_t* wp = packed.data_ptr<int8_t>();
   return run_fma(x2, N, blocks, isa, [&](int64_t b, int64_t m) { return Int8{wp + b * K * BLOCK, sp + b * BLOCK, K}; });
 }
 
 // int4: packed uint8 [N / 32, Kp, 16] (FMA) or [N / 32, Kp / 4, 16, 4] (VNNI), Kp: K padded to
 // whole groups (x may have fewer features: the padding meets no x); bf16 scales and zeros
-// [N / 32, groups, 2, 32].
+// [N / 32, groups, 2, 32], or scales alone [N / 32, groups, 32] where every zero is 0.
 torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz, int64_t N,
                           int64_t isa) {
   bool vnni = isa == ISA_AVX512VNNI;
@@ -424,22 +431,25 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == (vnni ? 4 : 3) &&
               packed.size(2) == BLOCK / 2 && (!vnni || packed.size(3) == 4) && blocks * BLOCK >= N,
               "packed_linear_int4: a uint8 weight packed for ", isa_name(isa));
-  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.dim() == 4 && sz.size(0) == blocks && sz.size(2) == 2 &&
-              sz.size(3) == BLOCK && sz.is_contiguous() && Kp % groups == 0 && Kp / groups % BLOCK == 0,
-              "packed_linear_int4: bf16 scales and zeros packed [N / 32, groups, 2, 32] of groups of 32k columns");
+  bool zeros = sz.dim() == 4;
+  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && (zeros ? sz.size(2) == 2 : sz.dim() == 3) &&
+              sz.size(0) == blocks && sz.size(-1) == BLOCK && sz.is_contiguous() && Kp % groups == 0 &&
+              Kp / groups % BLOCK == 0, "packed_linear_int4: bf16 scales and zeros packed [N / 32, groups, 2, 32], "
+              "or scales [N / 32, groups, 32], of groups of 32k columns");
   int64_t group = Kp / groups;
   TORCH_CHECK(K <= Kp && K > Kp - group, "packed_linear_int4: x has ", K, " features for ", Kp, " packed ones");
   auto x2 = rows_of(x, K);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
-  if (vnni) return run_vnni<true>(x2, N, blocks, Kp, wp, nullptr, sp, group);
+  if (vnni) return run_vnni<true>(x2, N, blocks, Kp, wp, nullptr, sp, zeros, group);
   int64_t M = x2.numel() / K;
   std::vector<float> xs(M * groups);  // sum of each row's x over each group
   const float* xp = x2.data_ptr<float>();
   for (int64_t m = 0; m < M; m++)
     for (int64_t k = 0; k < K; k++) xs[m * groups + k / group] += xp[m * K + k];
   return run_fma(x2, N, blocks, isa, [&](int64_t b, int64_t m) {
-    return Int4{wp + b * Kp * BLOCK / 2, sp + b * groups * 2 * BLOCK, xs.data() + m * groups, group, groups};
+    return Int4{wp + b * Kp * BLOCK / 2, sp + b * groups * (zeros ? 2 : 1) * BLOCK, xs.data() + m * groups, group,
+                groups, zeros};
   });
 }
 

@@ -183,7 +183,8 @@ def pack_int8(weight: Tensor, scales: Tensor, isa: str) -> tuple:
 def pack_int4(codes: Tensor, scales_and_zeros: Tensor, isa: str) -> tuple:
     """quantized.py's int4 codes [N, Kp] (0..15) and bf16 scales_and_zeros [G, N, 2] -> (uint8
     [N / 32, Kp, 16], or [N / 32, Kp / 4, 16, 4] for "avx512vnni", holding columns j and j + 16
-    of a block in byte j's low and high nibbles; bf16 [N / 32, G, 2, 32])."""
+    of a block in byte j's low and high nibbles; bf16 [N / 32, G, 2, 32], or the scales alone
+    [N / 32, G, 32] where every zero is 0: a symmetric checkpoint's 4.5 bits a weight, not 5)."""
     N, Kp = codes.shape
     if N % BLOCK:
         codes = torch.cat([codes, codes.new_zeros(-N % BLOCK, Kp)])
@@ -194,6 +195,8 @@ def pack_int4(codes: Tensor, scales_and_zeros: Tensor, isa: str) -> tuple:
     G, N, _ = scales_and_zeros.shape
     sz = torch.zeros(G, -(-N // BLOCK) * BLOCK, 2, dtype=torch.bfloat16)
     sz[:, :N] = scales_and_zeros
+    if not sz[..., 1].any():
+        return q, sz[..., 0].view(G, -1, BLOCK).transpose(0, 1).contiguous()
     return q, sz.view(G, -1, BLOCK, 2).permute(1, 0, 3, 2).contiguous()
 
 

@@ -70,12 +70,17 @@ def test_packed_int8_equals_float64_product(isa, n, k):
 
 
 @pytest.mark.parametrize("n,k,groupsize", [(576, 576, 32), (100, 64, 64), (33, 7, 32), (64, 300, 128), (96, 576, 256)])
-def test_packed_int4_equals_float64_product(isa, n, k, groupsize):
-    """(q - 8) * scale + zero per group (padded past k), with VNNI times x rounded per 32 columns."""
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_packed_int4_equals_float64_product(isa, n, k, groupsize, symmetric):
+    """(q - 8) * scale + zero per group (padded past k), with VNNI times x rounded per 32 columns.
+    symmetric: every zero 0 (as in a Q4_0-style checkpoint), packed as the scales alone."""
     torch.manual_seed(n + k)
     w, sz = quantized.quantize_int4(torch.randn(n, k), groupsize)
+    if symmetric:
+        sz[..., 1] = 0
     deq = quantized.dequantize_int4(w, sz, groupsize)[:, :k].double()
     packed, packed_sz = kernels.pack_int4(quantized.unpack_int4(w), sz, isa)
+    assert packed_sz.dim() == (3 if symmetric else 4)
     for rows in ROWS:
         x = torch.randn(2, rows, k)
         expected = (rounded_activations(x, isa) @ deq.T).float()
