@@ -60,17 +60,18 @@ def padded_size(in_features: int, groupsize: int) -> int:
     return -(-in_features // groupsize) * groupsize
 
 
-def quantize_int4(w: Tensor, groupsize: int) -> tuple:
+def quantize_int4(w: Tensor, groupsize: int, symmetric: bool = False) -> tuple:
     """w [N, K] -> (uint8 packed [N, Kp/2], bf16 scales_and_zeros [Kp/g, N, 2]), Kp = K padded to g.
 
     Per group: w ~= (q - 8) * scale + zero with q in 0..15 and |error| <= scale / 2. Columns added
     by padding are zero (the matching activations are zero-padded too). Byte k//2 holds column k in
-    its high nibble when k is even.
+    its high nibble when k is even. symmetric: every zero is 0 (llama.cpp's Q4_0 grid), a coarser
+    grid whose zeros kernels.py need not store: 4.5 bits a weight instead of 5.
     """
     N, K = w.shape
     w = F.pad(w.float(), (0, padded_size(K, groupsize) - K))
     groups = w.reshape(N, -1, groupsize)  # (N, G, g)
-    scales, zeros = int4_group_params(groups)  # (N, G) each
+    scales, zeros = (int4_symmetric_params if symmetric else int4_group_params)(groups)  # (N, G) each
     q = int4_codes(groups, scales[..., None], zeros[..., None]).reshape(N, -1)  # (N, Kp)
     return pack_int4_codes(q), torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
 
@@ -84,6 +85,13 @@ def int4_group_params(groups: Tensor) -> tuple:
     z = zeros.float()
     scales = bf16_at_least(torch.maximum((z - lo) / 8, (hi - z) / 7).clamp(min=1e-8))
     return scales, zeros
+
+
+def int4_symmetric_params(groups: Tensor) -> tuple:
+    """groups [..., g] -> bf16 (scales, zeros = 0) [...] of a grid (q - 8) * scale covering each group."""
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = bf16_at_least(torch.maximum(-lo / 8, hi / 7).clamp(min=1e-8))
+    return scales, torch.zeros_like(scales)
 
 
 def int4_codes(w: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:

@@ -7,8 +7,8 @@
 Systems: brisk eager and --compile (with --compile_prefill), transformers generate() (plain, and
 its static cache + torch.compile recipe), llama.cpp's llama-bench (built by
 scripts/bench_llamacpp.sh; skipped with a line when missing), all at batch 1 on the same weights:
-fp32 / bf16 / int8 / int4, where llama.cpp runs F32 / BF16 / Q8_0 / Q4_0 GGUFs converted from the
-same HF weights. Every measurement runs in its own process (clean memory and thread state) and the
+fp32 / bf16 / int8 / int4 / int4-sym, where llama.cpp runs F32 / BF16 / Q8_0 / Q4_0 / Q4_0 GGUFs
+converted from the same HF weights. Every measurement runs in its own process (clean memory and thread state) and the
 rounds alternate over all of them, so that machine noise hits every side alike; the tables keep
 the best round. Each round also measures the memory roofline (a streaming read with all threads),
 and each decode speed is shown as a fraction of it: bytes of weights read per token x tokens/s /
@@ -35,8 +35,9 @@ from errors import error_boundary, positive_int  # noqa: E402
 
 SYSTEMS = ("brisk", "brisk-compile", "transformers", "transformers-compile", "llama.cpp")
 DEFAULT_SYSTEMS = ("brisk", "brisk-compile", "transformers", "llama.cpp")  # transformers' compile takes minutes
-PRECISIONS = ("fp32", "bf16", "int8", "int4")
-GGUF_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
+PRECISIONS = ("fp32", "bf16", "int8", "int4", "int4-sym")
+# int4-sym (quantize.py's) is Q4_0's own grid; int4 (asymmetric, 5 bits a weight) is compared with it too.
+GGUF_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0", "int4-sym": "Q4_0"}
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 INT4_GROUPSIZE = 32  # like Q4_0's blocks of 32
 SHORT_PROMPT = 16  # tokens; synthetic prompts like generate.py's --synthetic_prompt_len N
@@ -139,7 +140,7 @@ def brisk_checkpoint(model: Model, precision: str) -> Path:
     if precision in TORCH_DTYPES:
         return model.checkpoint
     import quantize
-    mode, group = (precision, None) if precision == "int8" else ("int4", INT4_GROUPSIZE)
+    mode, group = (precision, None) if precision == "int8" else (precision, INT4_GROUPSIZE)
     path = model.work_dir / f"model_{precision}.pth"
     if not path.is_file():
         model.work_dir.mkdir(parents=True, exist_ok=True)
@@ -741,7 +742,8 @@ def parse_args(argv=None):
     p.add_argument("--configs", default=",".join(DEFAULT_SYSTEMS),
                    help=f"comma-separated systems from {', '.join(SYSTEMS)}, or all (transformers-compile "
                         "is off by default: it compiles for minutes)")
-    p.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated: fp32, bf16, int8, int4")
+    p.add_argument("--precisions", default=",".join(PRECISIONS),
+                   help="comma-separated: fp32, bf16, int8, int4, int4-sym (quantize.py's modes)")
     p.add_argument("--prompts", default="short,long", help="short (16 tokens), long (--long_prompt tokens), or both")
     p.add_argument("--rounds", type=positive_int, default=None, help="alternating rounds; tables keep the best (default 3)")
     p.add_argument("--new_tokens", type=positive_int, default=None,

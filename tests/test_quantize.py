@@ -71,6 +71,24 @@ def test_int4_round_trip(groupsize, K):
     assert (scale <= (span / 15 + zero.abs() * 2 ** -8 / 7) * (1 + 2 ** -7) + 1e-8).all()
 
 
+@pytest.mark.parametrize("groupsize", [32, 128])
+def test_int4_symmetric_round_trip(groupsize):
+    """int4-sym: every zero exactly 0, each weight within half a step, and the step the smallest
+    bf16 one whose grid -8 .. 7 steps covers its group (Q4_0's grid)."""
+    w = weights(32, 576)
+    packed, sz = quantized.quantize_int4(w, groupsize, symmetric=True)
+    assert (sz[..., 1] == 0).all()
+    deq = ref_dequantize_int4(packed, sz, groupsize)
+    Kp = quantized.padded_size(576, groupsize)
+    padded = torch.nn.functional.pad(w.double(), (0, Kp - 576))
+    step = sz[..., 0].double().transpose(0, 1).repeat_interleave(groupsize, dim=1)
+    assert ((padded - deq).abs() <= step / 2 + 1e-6).all()
+    groups = padded.reshape(32, -1, groupsize)
+    need = torch.maximum(-groups.amin(-1) / 8, groups.amax(-1) / 7).transpose(0, 1)
+    scale = sz[..., 0].double()
+    assert (scale >= need).all() and (scale <= need * (1 + 2 ** -7) + 1e-8).all()
+
+
 def make_linear(kind, w, bias=None, groupsize=32):
     N, K = w.shape
     if kind == "int8":
@@ -213,16 +231,21 @@ KERNEL_ERRORS = {"aten": 3e-2, "avx512vnni": 8e-2, "avx512": 5e-5, "avx2": 5e-5}
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNEL_ERRORS))
-@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32), ("int4", 128), ("int4-sym", 32)])
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_model_equals_dequantized_model(family, mode, groupsize, kernel, tmp_path, monkeypatch):
+    """int4-sym: kernels.cpp reads its scales alone (no zeros packed)."""
     if kernel != "aten" and kernel not in kernel_isas():
         pytest.skip(f"this CPU has no {kernel}")
     monkeypatch.setattr(quantized.kernels, "best_isa", lambda: "" if kernel == "aten" else kernel)
     path = save_random_model(tmp_path, **MODELS[family])
     qpath = quantize.quantize_checkpoint(path, mode, groupsize)
     expected = logits(dequantized_model(path, qpath))
-    got = logits(load_model(qpath))
+    model = load_model(qpath)
+    packed = [m for m in model.modules() if isinstance(m, quantized.Int4Linear) and m.kernel == "packed"]
+    assert all(m.scales_and_zeros.dim() == (3 if mode == "int4-sym" else 4) for m in packed)
+    assert bool(packed) == (mode.startswith("int4") and kernel != "aten")
+    got = logits(model)
     errors = (got - expected).norm(dim=-1) / expected.norm(dim=-1)  # per position
     # In a mixture of experts a rounding can flip a near-tie of the router at a few positions.
     bound = KERNEL_ERRORS[kernel] if family != "moe" else max(KERNEL_ERRORS[kernel], 3e-2)
@@ -361,6 +384,19 @@ def test_real_model_int8(real):
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.85
     for prompt in PROMPTS:
         assert greedy(model, tokenizer, prompt, 3) == greedy(base, tokenizer, prompt, 3), prompt
+
+
+@pytest.mark.slow
+def test_real_model_int4_symmetric(real):
+    """int4-sym on weights that lie on an asymmetric 4-bit grid (this checkpoint's Q4_1 origin),
+    which a symmetric one cannot follow: measured relative logits error 65% and top-1 50% (int4:
+    10%, 83%), the greedy text still sensible."""
+    path, tokenizer, quantized = real
+    model = load_model(quantized("int4-sym", 32))
+    expected, got = teacher_forced(load_model(path), tokenizer), teacher_forced(model, tokenizer)
+    assert rel_error(got, expected) < 0.8
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.4
+    assert tokenizer.decode(greedy(model, tokenizer, PROMPTS[0], 4)).startswith(" Paris")
 
 
 @pytest.mark.slow
