@@ -283,7 +283,8 @@ def test_a_saved_step_loads_without_inductors_checks(tmp_path):
     import compiling
     if kernels.best_isa() == "":
         pytest.skip("kernels.cpp has no code for this CPU")
-    env = dict(os.environ, BRISK_COMPILE_CACHE=str(tmp_path / "compiled"), PYTHONPATH=str(Path(kernels.__file__).parent))
+    env = dict(os.environ, BRISK_COMPILE_CACHE=str(tmp_path / "compiled"),
+               PYTHONPATH=str(Path(kernels.__file__).parent))
     path = save_and_convert(make_hf_model("llama31", seed=5), tmp_path)
     runs = [subprocess.run([sys.executable, "-c", LOAD_IN_A_NEW_PROCESS, str(path)], env=env, capture_output=True,
                            text=True, timeout=600) for _ in range(2)]
