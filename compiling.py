@@ -178,7 +178,7 @@ def load_options(path) -> dict:
         best = next((str(isa) for isa in supported_vec_isa_list if all(f in listed for f in str(isa).split())), None)
         if best is not None and path.with_suffix(".isa").read_text() == best:
             options["cpp.vec_isa_ok"] = True
-    except (ImportError, OSError):
+    except (ImportError, OSError, ValueError):  # ValueError: a record that is not text
         pass
     return options
 

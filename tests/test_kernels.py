@@ -298,6 +298,8 @@ def test_a_saved_step_loads_without_inductors_checks(tmp_path):
     assert compiling.load_options(record)["cpp.vec_isa_ok"] is True
     record.write_text("avx2 as another process picked it")
     assert "cpp.vec_isa_ok" not in compiling.load_options(record)
+    record.write_bytes(b"\xff\xfe not text")
+    assert "cpp.vec_isa_ok" not in compiling.load_options(record)
     record.unlink()
     assert "cpp.vec_isa_ok" not in compiling.load_options(record)
 
