@@ -205,6 +205,11 @@ def pack_bf16(w: Tensor, out: Optional[Tensor] = None) -> Tensor:
     return pack(w, k_multiple=2, n=2, out=out)
 
 
+def pack_weight(w: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """An fp32 or bf16 nn.Linear weight [N, K] in PackedLinear's layout (pack, pack_bf16)."""
+    return pack_bf16(w, out) if w.dtype == torch.bfloat16 else pack(w, out=out)
+
+
 def pack_stacked(linears: list, isa: str) -> "PackedLinear":
     """One PackedLinear for fp32 or bf16 nn.Linears without bias that read the same input (all
     but the last filling whole blocks of 32 outputs), their outputs one after another: each
@@ -215,12 +220,9 @@ def pack_stacked(linears: list, isa: str) -> "PackedLinear":
     out = torch.empty(sum(blocks), *((K, BLOCK) if w.dtype == torch.float32 else (-(-K // 2), BLOCK, 2)), dtype=w.dtype)
     start = 0
     for m, n in zip(linears, blocks):
-        if m.weight.dtype == torch.bfloat16:
-            pack_bf16(m.weight.detach(), out[start:start + n])
-        else:
-            pack(m.weight.detach(), out=out[start:start + n])
+        pack_weight(m.weight.detach(), out[start:start + n])
         start += n
-    shape = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears), bias=False, device="meta")
+    shape = nn.Linear(K, sum(m.out_features for m in linears), bias=False, device="meta")
     return PackedLinear(shape, isa, out)
 
 
@@ -236,8 +238,7 @@ class PackedLinear(nn.Module):
         register_fake()
         self.in_features, self.out_features, self.isa = linear.in_features, linear.out_features, isa
         if packed is None:
-            w = linear.weight.detach()
-            packed = pack_bf16(w) if w.dtype == torch.bfloat16 else pack(w)
+            packed = pack_weight(linear.weight.detach())
         self.register_buffer("packed", packed)
         self.bias = linear.bias
         self._forward_pre_hooks, self._forward_hooks = linear._forward_pre_hooks, linear._forward_hooks  # tp.py's
