@@ -8,11 +8,11 @@ Systems: brisk eager and --compile (with --compile_prefill), transformers genera
 its static cache + torch.compile recipe), llama.cpp's llama-bench (built by
 scripts/bench_llamacpp.sh; skipped with a line when missing), all at batch 1 on the same weights:
 fp32 / bf16 / int8 / int4 / int4-sym, where llama.cpp runs F32 / BF16 / Q8_0 / Q4_0 / Q4_0 GGUFs
-converted from the same HF weights. Every measurement runs in its own process (clean memory and thread state) and the
-rounds alternate over all of them, so that machine noise hits every side alike; the tables keep
-the best round. Each round also measures the memory roofline (a streaming read with all threads),
-and each decode speed is shown as a fraction of it: bytes of weights read per token x tokens/s /
-bandwidth.
+converted from the same HF weights. Every measurement runs in its own process (clean memory and
+thread state) and the rounds alternate over all of them, so that machine noise hits every side
+alike; the tables keep the best round. Each round also measures the memory roofline (a streaming
+read with all threads), and each decode speed is shown as a fraction of it: bytes of weights read
+per token x tokens/s / bandwidth.
 """
 import argparse
 import contextlib
@@ -140,14 +140,14 @@ def brisk_checkpoint(model: Model, precision: str) -> Path:
     if precision in TORCH_DTYPES:
         return model.checkpoint
     import quantize
-    mode, group = (precision, None) if precision == "int8" else (precision, INT4_GROUPSIZE)
+    group = None if precision == "int8" else INT4_GROUPSIZE  # precision: quantize.py's mode
     path = model.work_dir / f"model_{precision}.pth"
     if not path.is_file():
         model.work_dir.mkdir(parents=True, exist_ok=True)
         if not (model.work_dir / "config.json").is_file():  # the 1B model is made in its work folder
             shutil.copyfile(model.checkpoint.parent / "config.json", model.work_dir / "config.json")
         log(f"quantizing {model.checkpoint} to {precision} -> {path}")
-        quantize.quantize_checkpoint(model.checkpoint, mode, group, output_path=path)
+        quantize.quantize_checkpoint(model.checkpoint, precision, group, output_path=path)
     return path
 
 
