@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from decode import check_sampling
 from engine import Engine, Request
 from errors import check_output_file, error_boundary, finite_float, int_in, nonnegative_int, positive_int
-from kernels import pack_for_cpu
 from load import (PRECISIONS, atomic_write_text, check_device, default_device, default_precision, device_sync,
-                  load_model, log, maybe_init_dist, rank0_output)
+                  log, maybe_init_dist, rank0_output)
+from packed_cache import load_packed
 from tokenizer import check_vocab, load_tokenizer
 
 LM_EVAL_REQUIREMENT = "lm-eval==0.4.13"
@@ -289,7 +289,7 @@ def main(checkpoint_path: Path, tasks: Optional[list], perplexity: Optional[Path
     t0 = time.perf_counter()
     # Under torchrun every rank loads its shard and runs every request (lm_eval sees one process);
     # only rank 0 prints (cli) and writes --output_json.
-    model = pack_for_cpu(load_model(checkpoint_path, device, dtype, tp=dist))
+    model = load_packed(checkpoint_path, device, dtype, tp=dist)
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     check_vocab(tokenizer, model.config.vocab_size, Path(checkpoint_path).parent)
     if apply_chat_template:

@@ -21,10 +21,10 @@ from compiling import compile_prefill as compile_prefill_step, compile_step
 from decode import check_context, check_sampling, decode_one_token, generate, prefill, trim_at_eos
 from engine import DEFAULT_PREFILL_CHUNK, Engine, Request, check_request
 from errors import SEED, check_output_file, error_boundary, finite_float, nonnegative_int, positive_int
-from kernels import pack_for_cpu
 from load import (DEFAULT_CHECKPOINT, PRECISIONS, atomic_write_text, check_device, default_device, default_precision,
-                  device_sync, load_model, log, maybe_init_dist, model_bytes, rank0_output)
+                  device_sync, log, maybe_init_dist, model_bytes, rank0_output)
 from model import ModelArgs
+from packed_cache import load_packed
 from tokenizer import check_vocab, load_tokenizer, read_json
 
 
@@ -207,7 +207,7 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
     torch.manual_seed(seed)
 
     t0 = time.perf_counter()
-    model = pack_for_cpu(load_model(checkpoint_path, device, dtype, tp=dist))
+    model = load_packed(checkpoint_path, device, dtype, tp=dist)
     model.kv_cache_dtype = PRECISIONS[kv_cache_dtype] if kv_cache_dtype else None
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     check_vocab(tokenizer, model.config.vocab_size, Path(checkpoint_path).parent)
@@ -230,7 +230,7 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
     if draft_checkpoint_path is not None or speculate_ngram is not None:
         draft = None
         if draft_checkpoint_path is not None:
-            draft = pack_for_cpu(speculative.load_draft(draft_checkpoint_path, model, tokenizer, device, dtype))
+            draft = speculative.load_draft(draft_checkpoint_path, model, tokenizer, device, dtype)
             log(f"Loaded draft {draft_checkpoint_path} ({model_bytes(draft) / 1e6:.0f} MB of weights)")
         accepted = []
         generate_fn = functools.partial(

@@ -429,8 +429,13 @@ class Attention(nn.Module):
         return self.wo(y.reshape(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, q_dim))
 
 
-# The feed-forward's gate activation: SwiGLU's SiLU, GeGLU's tanh-approximated GELU.
-ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+def gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# The feed-forward's gate activation: SwiGLU's SiLU, GeGLU's tanh-approximated GELU. Named functions,
+# not lambdas: packed_cache.py pickles the model.
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh}
 
 
 class FeedForward(nn.Module):

@@ -30,9 +30,9 @@ from typing import Optional
 
 from engine import DEFAULT_PREFILL_CHUNK, Engine, Request
 from errors import SEED, error_boundary, finite_float, int_in, positive_int
-from kernels import pack_for_cpu
-from load import (DEFAULT_CHECKPOINT, PRECISIONS, check_device, default_device, default_precision, load_model, log,
+from load import (DEFAULT_CHECKPOINT, PRECISIONS, check_device, default_device, default_precision, log,
                   maybe_init_dist)
+from packed_cache import load_packed
 from tokenizer import load_tokenizer
 
 MAX_BODY_BYTES = 1 << 20  # larger bodies get 413: no prompt the context holds is that long
@@ -489,7 +489,7 @@ def main(checkpoint_path: Optional[Path], host: str, port: int, api_key: Optiona
         check_port(host, port)
     dtype = PRECISIONS[precision] if precision else default_precision(device)
     t0 = time.perf_counter()
-    model = pack_for_cpu(load_model(checkpoint_path, device, dtype, tp=dist))
+    model = load_packed(checkpoint_path, device, dtype, tp=dist)
     model.kv_cache_dtype = PRECISIONS[kv_cache_dtype] if kv_cache_dtype else None
     tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     max_seq_length = max_seq_length or min(model.config.block_size, 4096)

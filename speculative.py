@@ -19,8 +19,8 @@ from torch import Tensor
 
 from compiling import skip_guards
 from decode import check_context, check_sampling, decode_one_token, logits_to_probs, prefill
-from load import load_model
 from model import Transformer
+from packed_cache import load_packed
 from tokenizer import load_tokenizer
 
 
@@ -145,8 +145,8 @@ def draft_k_tokens(draft_model: Transformer, token: Tensor, pos: int, k: int, dr
 
 
 def load_draft(path: Path, target: Transformer, tokenizer, device, precision) -> Transformer:
-    """Load the draft model and check that it shares the target's vocabulary."""
-    draft = load_model(path, device, precision)
+    """Load the draft model (packed for the CPU, as the target) and check that it shares the target's vocabulary."""
+    draft = load_packed(path, device, precision)
     problem = None
     if draft.config.vocab_size != target.config.vocab_size:
         problem = f"vocab_size {draft.config.vocab_size} vs the target's {target.config.vocab_size}"

@@ -287,11 +287,11 @@ def worker_brisk(spec: dict) -> dict:
     import decode
     import load
     from compiling import compile_prefill, compile_step
-    from kernels import pack_for_cpu
+    from packed_cache import load_packed
     device = spec["device"]
     precision = getattr(torch, spec["dtype"]) if spec["dtype"] else load.default_precision(device)
     # as generate.py does (batch 1)
-    model = pack_for_cpu(load.load_model(spec["checkpoint"], device, precision))
+    model = load_packed(spec["checkpoint"], device, precision)
     T, N = spec["prompt_tokens"], spec["new_tokens"]
     prompt = torch.tensor(synthetic_prompt(T, model.config.vocab_size), device=device)
     fns = {}

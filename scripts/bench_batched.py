@@ -33,12 +33,11 @@ def prompts(n: int, length: int, vocab: int, seed: int = 1) -> list:
 def worker_brisk(spec: dict) -> dict:
     import torch
     from engine import Engine, Request
-    from kernels import pack_for_cpu
-    from load import load_model
+    from packed_cache import load_packed
     from tokenizer import load_tokenizer
     dtype = getattr(torch, spec["dtype"]) if spec["dtype"] else torch.float32
     # as server.py does
-    model = pack_for_cpu(load_model(spec["checkpoint"], "cpu", dtype))
+    model = load_packed(spec["checkpoint"], "cpu", dtype)
     tokenizer = load_tokenizer(Path(spec["tokenizer_dir"]))
     B, N, long = spec["streams"], spec["new_tokens"], spec["long_prompt"]
     engine = Engine(model, tokenizer, B, max(PROMPT + N, long + 8) + 8, compile=spec["compile"])

@@ -20,12 +20,12 @@ import decode  # noqa: E402
 import load  # noqa: E402
 from compiling import compile_step, compiled_steps_dir, skip_guards  # noqa: E402
 from errors import check_output_file, error_boundary, positive_int  # noqa: E402
-from kernels import pack_for_cpu  # noqa: E402
+from packed_cache import load_packed  # noqa: E402
 
 
 def profile_decode(checkpoint_path: Path, precision: str, compile: bool, prompt_tokens: int, new_tokens: int,
                    device: str, top: int, shapes: bool = False, trace: Path = None) -> str:
-    model = pack_for_cpu(load.load_model(checkpoint_path, device, load.PRECISIONS[precision]))  # as generate.py
+    model = load_packed(checkpoint_path, device, load.PRECISIONS[precision])  # as generate.py
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, min(model.config.vocab_size, 1000), (prompt_tokens,), generator=g).to(device)
     prefill_fn = decode.prefill

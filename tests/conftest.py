@@ -12,10 +12,12 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache(tmp_path_factory):
-    """Compiled steps (compiling.precompiled) of this run's tiny models in a folder of their own, for
-    this process and the command lines it starts, not the user's cache."""
+    """Compiled steps (compiling.precompiled) and packed models (packed_cache.py) of this run's tiny
+    models in folders of their own, for this process and the command lines it starts, not the user's
+    caches."""
     import os
     os.environ["BRISK_COMPILE_CACHE"] = str(tmp_path_factory.mktemp("compiled"))
+    os.environ["BRISK_PACKED_CACHE"] = str(tmp_path_factory.mktemp("packed"))
 
 # Tiny configs covering every family we claim; vocab 256 keeps them fast.
 FAMILIES = {

@@ -266,31 +266,34 @@ popen = subprocess.Popen.__init__
 subprocess.Popen.__init__ = lambda self, args, *a, **k: (spawned.append(str(args)), popen(self, args, *a, **k))[1]
 import kernels
 from compiling import compile_step
-from load import load_model
-model = kernels.pack_linears(load_model(sys.argv[1]))
+from packed_cache import load_packed
+model = load_packed(sys.argv[1])  # as generate.py: the second run maps what the first packed
 model.setup_caches(max_batch_size=1, max_seq_length=16)
 x, pos = torch.tensor([[3]]), torch.tensor([4], dtype=torch.int)
 with torch.no_grad():
     torch.testing.assert_close(compile_step(lambda m, x, p: m(x, p), "cpu")(model, x, pos), model(x, pos))
-print(sum("LoadLibrary" in a for a in spawned), sum("header.hpp" in a for a in spawned))
+print(sum("LoadLibrary" in a for a in spawned), sum("header.hpp" in a for a in spawned),
+      int(kernels.from_file(model.output.packed)))
 """
 
 
 def test_a_saved_step_loads_without_inductors_checks(tmp_path):
-    """A second process loads a compiled step without hashing torch's headers or probing the CPU's
-    instruction sets again (compiling.load_options), in subprocesses that took half its load; it
-    probes as usual when the record beside the step names another set than the best listed."""
+    """A second process, as a second run of generate.py, maps the packed model the first kept
+    (packed_cache.py) and loads the compiled step without hashing torch's headers or probing the
+    CPU's instruction sets again (compiling.load_options), in subprocesses that took half its load;
+    it probes as usual when the record beside the step names another set than the best listed."""
     import compiling
     if kernels.best_isa() == "":
         pytest.skip("kernels.cpp has no code for this CPU")
-    env = dict(os.environ, BRISK_COMPILE_CACHE=str(tmp_path / "compiled"),
+    env = dict(os.environ, BRISK_COMPILE_CACHE=str(tmp_path / "compiled"), BRISK_PACKED_CACHE=str(tmp_path / "packed"),
                PYTHONPATH=str(Path(kernels.__file__).parent))
     path = save_and_convert(make_hf_model("llama31", seed=5), tmp_path)
     runs = [subprocess.run([sys.executable, "-c", LOAD_IN_A_NEW_PROCESS, str(path)], env=env, capture_output=True,
                            text=True, timeout=600) for _ in range(2)]
     assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-2000:]
     assert "compiling: compiled " in runs[0].stderr and "compiling: loaded " in runs[1].stderr
-    (probes, hashed), (warm_probes, warm_hashed) = [map(int, r.stdout.split()[-2:]) for r in runs]
+    (probes, hashed, mapped), (warm_probes, warm_hashed, warm_mapped) = [map(int, r.stdout.split()[-3:]) for r in runs]
+    assert (mapped, warm_mapped) == (0, 1), "the second run did not map the packed model the first kept"
     assert warm_hashed == 0 and hashed == 0, "precompiled headers were hashed"
     # The probes left: inductor's extra checks of AVX-512's BF16 and VNNI instructions (no setting skips them).
     assert warm_probes < probes, (warm_probes, probes)

@@ -1,0 +1,161 @@
+"""packed_cache.py: a second load maps the model the first one packed and kept, its tensors read from
+that file, and computes what a model packed afresh computes; a changed checkpoint, a damaged file, a
+full disk or "off" never serve a stale model nor stop a run."""
+import itertools
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kernels
+import packed_cache
+import quantize
+from compiling import structure_digest
+from conftest import make_hf_model, save_and_convert
+from load import load_model
+from packed_cache import load_packed
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    if kernels.best_isa() == "":
+        pytest.skip("kernels.cpp has no code for this CPU: nothing is packed, nothing kept")
+    monkeypatch.setenv("BRISK_PACKED_CACHE", str(tmp_path / "packed"))
+    return tmp_path / "packed"
+
+
+def kept(cache) -> list:
+    return sorted(cache.glob("*")) if cache.is_dir() else []
+
+
+def mapped_file(t: torch.Tensor) -> str:
+    """The file whose private mapping holds t's first byte ("" where none does)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(a, 16) for a in fields[0].split("-"))
+            if lo <= t.data_ptr() < hi:
+                return fields[5] if len(fields) > 5 else ""
+    return ""
+
+
+def shared_embedding(model) -> bool:
+    """Whether the embedding reads a tensor of the output projection (a tied weight, one copy)."""
+    def pointers(m):
+        return {t.data_ptr() for t in itertools.chain(m.parameters(), m.buffers())}
+    return bool(pointers(model.tok_embeddings) & pointers(model.output))
+
+
+def outputs(model) -> list:
+    """Logits of a 12-token prefill and of a decode step after it."""
+    model.setup_caches(max_batch_size=1, max_seq_length=32)
+    ids = torch.arange(3, 15)[None]
+    with torch.no_grad():
+        return [model(ids, torch.arange(12)), model(ids[:, -1:], torch.tensor([12]))]
+
+
+def checkpoint(family: str, mode: str, root, seed: int = 0) -> tuple:
+    """(model.pth of a tiny random model, quantized as mode says, and the precision to load it in)."""
+    path = save_and_convert(make_hf_model(family, seed=seed), root)
+    if mode in ("int8", "int4"):
+        return quantize.quantize_checkpoint(path, mode, 32 if mode == "int4" else None), torch.float32
+    return path, getattr(torch, mode)
+
+
+@pytest.mark.parametrize("family, mode", [("llama32", "float32"), ("llama32", "bfloat16"), ("qwen2", "int8"),
+                                          ("llama31", "int4"), ("mixtral", "int8"), ("gemma2", "int4")])
+def test_a_second_load_maps_the_kept_model(family, mode, cache, tmp_path):
+    path, precision = checkpoint(family, mode, tmp_path)
+    first = load_packed(path, "cpu", precision)
+    (file,) = kept(cache)
+    second = load_packed(path, "cpu", precision)
+    assert kept(cache) == [file]
+    afresh = kernels.pack_for_cpu(load_model(path, "cpu", precision))
+    assert structure_digest(second) == structure_digest(afresh) == structure_digest(first)
+    tensors = [t for _, t in second.state_dict(keep_vars=True).items()]
+    if sys.platform.startswith("linux"):
+        assert all(mapped_file(t) == str(file) for t in tensors if t.numel() > 1), "a tensor not read from the file"
+    assert shared_embedding(second) == shared_embedding(first)  # a tied weight stays one tensor
+    for a, b in zip(outputs(second), outputs(afresh)):
+        assert torch.equal(a, b)
+
+
+def test_a_changed_checkpoint_is_packed_again(cache, tmp_path):
+    path, precision = checkpoint("llama31", "float32", tmp_path)
+    load_packed(path, "cpu", precision)
+    (old,) = kept(cache)
+    path, precision = checkpoint("llama31", "float32", tmp_path, seed=1)  # new weights, same file name
+    reloaded = load_packed(path, "cpu", precision)
+    (new,) = kept(cache)
+    assert new != old
+    for a, b in zip(outputs(reloaded), outputs(kernels.pack_for_cpu(load_model(path)))):
+        assert torch.equal(a, b)
+
+
+def test_a_damaged_file_is_packed_again(cache, tmp_path, capsys):
+    path, precision = checkpoint("llama31", "float32", tmp_path)
+    load_packed(path, "cpu", precision)
+    (file,) = kept(cache)
+    size = file.stat().st_size
+    os.truncate(file, size // 2)
+    capsys.readouterr()
+    model = load_packed(path, "cpu", precision)
+    assert "is unreadable" in capsys.readouterr().err
+    assert kept(cache) == [file] and file.stat().st_size == size
+    for a, b in zip(outputs(model), outputs(kernels.pack_for_cpu(load_model(path)))):
+        assert torch.equal(a, b)
+
+
+def test_off_or_a_full_disk_keeps_nothing(cache, tmp_path, monkeypatch, capsys):
+    path, precision = checkpoint("llama31", "float32", tmp_path)
+    monkeypatch.setenv("BRISK_PACKED_CACHE", "off")
+    assert isinstance(load_packed(path, "cpu", precision).output, kernels.PackedLinear)
+    assert kept(cache) == []
+    monkeypatch.setenv("BRISK_PACKED_CACHE", str(cache))
+    disk_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=1 << 20))
+    load_packed(path, "cpu", precision)
+    assert "not keeping the packed weights" in capsys.readouterr().err and kept(cache) == []
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+
+    def full(obj, p):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(packed_cache, "atomic_save", full)
+    assert isinstance(load_packed(path, "cpu", precision).output, kernels.PackedLinear)
+    assert "could not keep the packed weights" in capsys.readouterr().err and kept(cache) == []
+    monkeypatch.setattr(packed_cache, "atomic_save", lambda obj, p: pickle.dumps(lambda: 0))  # unpicklable
+    assert isinstance(load_packed(path, "cpu", precision).output, kernels.PackedLinear)
+    assert "cannot be kept" in capsys.readouterr().err and kept(cache) == []
+
+
+TRACE_IN_A_NEW_PROCESS = """
+import sys, torch
+import kernels
+from compiling import compile_step
+from packed_cache import load_packed
+model = load_packed(sys.argv[1])
+assert kernels.from_file(model.output.packed), "not mapped from the kept file"
+model.setup_caches(max_batch_size=1, max_seq_length=16)
+x, pos = torch.tensor([[3]]), torch.tensor([4], dtype=torch.int)
+with torch.no_grad():
+    torch.testing.assert_close(compile_step(lambda m, x, p: m(x, p), "cpu")(model, x, pos), model(x, pos))
+"""
+
+
+def test_a_new_process_compiles_the_mapped_model(cache, tmp_path):
+    """A run that finds the packed model kept but no compiled step (an emptied compile cache, a new
+    torch) traces the mapped model: unpickling skips the packed modules' __init__, which registers
+    the shape functions tracing needs."""
+    path, precision = checkpoint("llama31", "float32", tmp_path, seed=2)
+    load_packed(path, "cpu", precision)
+    env = dict(os.environ, BRISK_COMPILE_CACHE=str(tmp_path / "compiled"), PYTHONPATH=str(Path(kernels.__file__).parent))
+    r = subprocess.run([sys.executable, "-c", TRACE_IN_A_NEW_PROCESS, str(path)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "compiling: compiled " in r.stderr
