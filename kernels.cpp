@@ -62,6 +62,10 @@ struct Int8 {
   AVX2 __m256 scale256(int64_t g, int64_t c) const { return _mm256_loadu_ps(scales + c); }
 };
 
+// bf16 values per group and block of 32 outputs in an int4 layer's sz: 32 scales, then 32 zeros
+// unless every zero is 0.
+static int64_t sz_per_group(bool zeros) { return zeros ? 2 * BLOCK : BLOCK; }
+
 // int4: 16 bytes per block row, byte j holding column j (low nibble) and column j + 16 (high).
 struct Int4 {
   const uint8_t* w;
@@ -87,7 +91,7 @@ struct Int4 {
       b = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
     }
   }
-  int64_t stride() const { return zeros ? 2 * BLOCK : BLOCK; }  // sz per group
+  int64_t stride() const { return sz_per_group(zeros); }
   AVX512 __m512 scale512(int64_t g, int64_t c) const { return bf16x16(sz + g * stride() + c); }
   AVX2 __m256 scale256(int64_t g, int64_t c) const { return bf16x8(sz + g * stride() + c); }
   AVX512 __m512 offset512(int64_t g, int64_t c) const {  // z - 8 s
@@ -378,7 +382,7 @@ static torch::Tensor run_vnni(const torch::Tensor& x, int64_t N, int64_t blocks,
   return run(M, N, blocks, 4, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
     with_rows<1, 4>(rows, [&](auto R) {
       tile_vnni<decltype(R)::value, INT4>(xq, m, Kp, w + b * Kp * bytes, INT4 ? nullptr : scales + b * BLOCK,
-                                          INT4 ? sz + b * (Kp / group) * (zeros ? 2 : 1) * BLOCK : nullptr, zeros,
+                                          INT4 ? sz + b * (Kp / group) * sz_per_group(zeros) : nullptr, zeros,
                                           xsum.data(), group, out);
     });
   });
@@ -448,7 +452,7 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
   for (int64_t m = 0; m < M; m++)
     for (int64_t k = 0; k < K; k++) xs[m * groups + k / group] += xp[m * K + k];
   return run_fma(x2, N, blocks, isa, [&](int64_t b, int64_t m) {
-    return Int4{wp + b * Kp * BLOCK / 2, sp + b * groups * (zeros ? 2 : 1) * BLOCK, xs.data() + m * groups, group,
+    return Int4{wp + b * Kp * BLOCK / 2, sp + b * groups * sz_per_group(zeros), xs.data() + m * groups, group,
                 groups, zeros};
   });
 }
