@@ -2,13 +2,14 @@
 """How a decode-sized step is compiled for a device: one function, `compile_step`.
 
 CUDA: CUDA graphs (one launch per step). CPU: a model whose products are kernels.cpp's (packed
-at load time: kernels.py, quantized.py) compiles as it is, for caches of any length, and a second
-run finds the whole compile in inductor's on-disk cache. Other models' weights are frozen into the
-graph so inductor repacks them once for its GEMM kernels, whose matrix-vector products use every
-core (eager PyTorch's run on one). Which kernels inductor may pick is asked of the model's modules
+at load time: kernels.py, quantized.py) compiles as it is, for caches of any length, through
+torch.export and AOTInductor into a package that a second run loads without dynamo or inductor.
+Other models' weights are frozen into the graph so inductor repacks them once for its GEMM
+kernels, whose matrix-vector products use every core (eager PyTorch's run on one). Which kernels inductor may pick is asked of the model's modules
 (`inductor_hints`, declared by kernels.py's and quantized.py's modules); nothing here knows
 their classes.
 """
+import contextlib
 import hashlib
 import weakref
 from typing import Callable, Optional
@@ -26,14 +27,12 @@ BF16_TEMPLATE_ROWS = 4
 
 def compile_step(fn: Callable, device: str) -> Callable:
     """torch.compile a decode-sized step fn(model, x, ...) (x: a few tokens, static shapes) for `device`."""
-    import torch._inductor.config as inductor_config
-    inductor_config.coordinate_descent_tuning = device.startswith("cuda")
-    inductor_config.fx_graph_cache = True  # warm runs skip most of the compile time
-    if device.startswith("cuda"):
-        return torch.compile(fn, mode="reduce-overhead", fullgraph=True)
     if device != "cpu":
-        return torch.compile(fn, fullgraph=True)
-    import torch._inductor.inductor_prims  # noqa: F401  (model.in_memory's prim)
+        import torch._inductor.config as inductor_config
+        inductor_config.coordinate_descent_tuning = device.startswith("cuda")
+        inductor_config.fx_graph_cache = True  # warm runs skip most of the compile time
+        return torch.compile(fn, mode="reduce-overhead" if device.startswith("cuda") else None, fullgraph=True)
+    # Nothing of inductor is imported here: a packed model's warm start loads its step without it.
     # model -> {rows: its step}: frozen weights are part of the graph, and which GEMM kernels may
     # run depends on the products' rows (kernel_options). A packed model compiles unfrozen.
     steps = weakref.WeakKeyDictionary()
@@ -71,6 +70,7 @@ def dynamo_step(fn: Callable) -> Callable:
     by a second run (with another prompt or --max_new_tokens too). dynamo keeps every module buffer's
     shape static unless told otherwise, and would make any shape that changes between calls dynamic
     on its own (a draft model's weights beside the target's): only the marked sequence dimensions are."""
+    import torch._inductor.inductor_prims  # noqa: F401  (model.in_memory's prim)
     compiled = size_asserts_off(torch.compile(fn, fullgraph=True))
     marked = weakref.WeakKeyDictionary()  # model -> the RoPE table of the caches marked (setup_caches makes new ones)
 
@@ -106,81 +106,117 @@ def call_signature(model, args: tuple, kwargs: dict) -> tuple:
 
 
 def precompiled(fn: Callable, model, args: tuple, kwargs: dict, signature: tuple) -> Callable:
-    """fn compiled ahead of time for calls of this signature on models of this structure, saved to
-    and loaded from a file of compiled_steps_dir(): a warm start skips dynamo's trace of the whole
-    model (seconds for a small one) as well as the compile. The saved step checks no guards (each
-    call's signature and the model's structure pick its file instead), so a call costs no guard
-    evaluation either: a visible part of a small model's step."""
+    """fn compiled ahead of time by AOTInductor for calls of this signature on models of this
+    structure, kept as a package in compiled_steps_dir(): a warm start loads a shared library and
+    runs it without importing dynamo or inductor (seconds of a start, ~0.1 GB of its memory). The
+    model's weights stay out of the package: the library reads the model's own tensors in place
+    (AOTInductor's user-managed constants). The KV caches and RoPE tables are inputs whose length is
+    dynamic (one package serves caches of any length); the step writes the caches in place. The
+    arguments that are not tensors are part of the package, as the signature that names it; it
+    checks nothing at a call (each call's signature and the model's structure pick its file)."""
     import sys
     import time
-    import torch._inductor.config as inductor_config
-    import torch._inductor.inductor_prims  # noqa: F401  (model.in_memory's prim)
     from load import atomic_write
     key = hashlib.sha256(repr((code_digest(), torch.__version__, machine_digest(), structure_digest(model),
                                fn.__module__, fn.__qualname__, fn.__code__.co_firstlineno, fn.__code__.co_code,
                                signature)).encode()).hexdigest()[:32]
-    path = compiled_steps_dir() / f"{key}.bin"
+    path = compiled_steps_dir() / f"{key}.pt2"
     t0 = time.perf_counter()
     if path.is_file():
         try:
-            with open(path, "rb") as f, inductor_config.patch(load_options(path)):
-                compiled = torch.compiler.load_compiled_function(f, f_globals=fn.__globals__)
+            step = load_package(path, model)
             print(f"compiling: loaded {fn.__qualname__} from {path} in {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr, flush=True)
+            return step
         # Stale (a format this torch no longer reads) or damaged: compile again.
-        except (OSError, EOFError, RuntimeError, ValueError, TypeError, AttributeError, ImportError) as e:
+        except (OSError, RuntimeError, ValueError, KeyError) as e:
             print(f"compiling: {path} does not load ({type(e).__name__}); compiling again", file=sys.stderr, flush=True)
             path.unlink(missing_ok=True)
-            return precompiled(fn, model, args, kwargs, signature)
-    else:
-        sequence_dims_dynamic(model)
-        with torch._dynamo.config.patch(DYNAMO_SEQUENCE_DIMS):
-            # The C++ wrapper: a step calls a few hundred kernels and ops, each a Python call in
-            # inductor's default wrapper. Built apart from the kernels, at a lower optimisation
-            # level: in one file at -O3 it took a minute longer to compile than the kernels.
-            # Without precompiled headers: a step builds two libraries, each parsing torch's
-            # headers once either way, and a warm load would hash the headers (load_options).
-            compiled = size_asserts_off(torch.compile(
-                fn, fullgraph=True, options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
-                                             "cpp_wrapper": True, "cpp_wrapper_build_separate": True,
-                                             "cpp_cache_precompile_headers": False}
-            ).aot_compile)(((model, *args), kwargs))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, lambda tmp: compiled.save_compiled_function(str(tmp)))
-        record_vec_isa(path)
-        print(f"compiling: compiled {fn.__qualname__} in {time.perf_counter() - t0:.1f} s, saved to {path}",
-              file=sys.stderr, flush=True)
-    compiled.disable_guard_check()
-    return compiled
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: export_and_package(fn, model, args, kwargs, tmp))
+    step = load_package(path, model)
+    print(f"compiling: compiled {fn.__qualname__} in {time.perf_counter() - t0:.1f} s, saved to {path}",
+          file=sys.stderr, flush=True)
+    return step
 
 
-def record_vec_isa(path):
-    """Write beside a compiled step the vector instruction set inductor picked for its kernels,
-    after probing (building and loading a test library for each one the CPU lists)."""
-    from load import atomic_write_text
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-    atomic_write_text(path.with_suffix(".isa"), str(pick_vec_isa()))
+def sequence_tensors(model) -> dict:
+    """The model's tensors whose length is the caches': each layer's K/V cache and the RoPE tables,
+    by name, in the order a package takes them."""
+    tensors = {}
+    for name, module in model.named_modules():
+        if isinstance(module, KVCache):
+            tensors[f"{name}.k_cache"], tensors[f"{name}.v_cache"] = module.k_cache, module.v_cache
+    for name in ("rope_cos_sin", "rope_local_cos_sin"):
+        if getattr(model, name, None) is not None:
+            tensors[name] = getattr(model, name)
+    return tensors
 
 
-def load_options(path) -> dict:
-    """inductor's settings for loading the compiled step at `path`, whose libraries it built when
-    it compiled the step (half of a warm start's load went to checks that need no redoing):
-    - no precompiled headers, as the step was built: with them, inductor preprocesses the whole
-      of torch's headers to hash them before it even looks for the built libraries.
-    - no probe of the CPU's vector instruction sets (building and loading a test library for each
-      set the CPU lists, in subprocesses) when the probe would pick what it picked at compile time
-      on this machine: the best set listed. Otherwise (another pick: $ATEN_CPU_CAPABILITY, a set
-      that failed its probe; no record; a torch without these names) inductor probes as usual."""
-    options = {"cpp_cache_precompile_headers": False}
-    try:
-        from torch._inductor.cpu_vec_isa import supported_vec_isa_list, x86_isa_checker
-        listed = x86_isa_checker()
-        best = next((str(isa) for isa in supported_vec_isa_list if all(f in listed for f in str(isa).split())), None)
-        if best is not None and path.with_suffix(".isa").read_text() == best:
-            options["cpp.vec_isa_ok"] = True
-    except (ImportError, OSError, ValueError):  # ValueError: a record that is not text
-        pass
-    return options
+def export_and_package(fn: Callable, model, args: tuple, kwargs: dict, path) -> None:
+    """torch.export fn(model, *args, **kwargs) with its tensor arguments and the model's sequence
+    tensors as inputs, and compile it with AOTInductor into the package `path`."""
+    import torch._inductor
+    import torch._inductor.inductor_prims  # noqa: F401  (model.in_memory's prim)
+    calls = [*args, *(v for _, v in sorted(kwargs.items()))]
+    at = [i for i, a in enumerate(calls) if isinstance(a, torch.Tensor)]
+    names = list(sequence_tensors(model))
+
+    class Step(nn.Module):  # export traces a module's forward
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, tensors: list, sequence: list):
+            given = list(calls)
+            for i, t in zip(at, tensors):
+                given[i] = t
+            swapped = swap_tensors(model, dict(zip(names, sequence)))
+            try:
+                return fn(model, *given[:len(args)], **dict(zip(sorted(kwargs), given[len(args):])))
+            finally:
+                swap_tensors(model, swapped)
+
+    # Example inputs apart from the model's own tensors (an input that aliases a buffer fails to
+    # export); the contents never matter: export traces with shapes alone.
+    examples = [calls[i].clone() for i in at], [torch.empty_like(t) for t in sequence_tensors(model).values()]
+    length = torch.export.Dim("positions", min=2, max=max(model.config.block_size, 2))
+    dims = [None if model.max_seq_length == 1 else {0 if n.endswith("cos_sin") else 2: length} for n in names]
+    program = torch.export.export(Step(), examples, dynamic_shapes=([None] * len(at), dims), strict=False)
+    with open(path, "wb") as f:  # a file object: the package's own name must end in .pt2
+        torch._inductor.aoti_compile_and_package(program, package_path=f, inductor_configs={
+            "aot_inductor.package_constants_in_so": False,  # the weights are the model's, read in place
+            "fallback_random": True})  # sampling draws from torch's generator, as eager steps do
+
+
+def swap_tensors(model, tensors: dict) -> dict:
+    """Set the model's buffers named in `tensors` to them; returns the ones they replaced."""
+    old = {}
+    for name, t in tensors.items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        old[name] = getattr(module, attr)
+        setattr(module, attr, t)
+    return old
+
+
+def load_package(path, model) -> Callable:
+    """The step in the package at `path`, reading the model's weights where they are."""
+    from torch.utils._pytree import tree_unflatten, treespec_loads
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    own = dict(model.state_dict(keep_vars=True), **dict(model.named_buffers()))
+    loader.load_constants({name: own[name.removeprefix("model.")].detach() for name in loader.get_constant_fqns()},
+                          False, True, True)  # every constant given, held by the model (user-managed)
+    out_spec = treespec_loads(loader.get_call_spec()[1])
+    sequence = weakref.WeakKeyDictionary()  # model -> (its RoPE table, its sequence tensors) when last called
+
+    def step(model, *args, **kwargs):
+        seen = sequence.get(model)
+        if seen is None or seen[0] is not model.rope_cos_sin:  # setup_caches made new ones
+            seen = sequence[model] = model.rope_cos_sin, list(sequence_tensors(model).values())
+        inputs = [a for a in (*args, *(v for _, v in sorted(kwargs.items()))) if isinstance(a, torch.Tensor)]
+        return tree_unflatten(loader.run(inputs + seen[1]), out_spec)
+    return step
 
 
 def compiled_steps_dir():
@@ -296,7 +332,12 @@ def static_buffers(model):
 def skip_guards(steady: bool):
     """Context for calls of compiled steps. steady: the model, its caches and the inputs' shapes are
     those an earlier call's guards already checked, so only the guards that tell the step's graphs
-    apart need to run (checking all of them costs a noticeable part of a small model's step)."""
+    apart need to run (checking all of them costs a noticeable part of a small model's step). A
+    process without dynamo runs no guards (precompiled steps check none): nothing to skip, and
+    nothing imported for it."""
+    import sys
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
     return torch.compiler.set_stance("default", skip_guard_eval_unsafe=steady)
 
 
@@ -319,6 +360,7 @@ def frozen_step(fn: Callable, model, rows: Optional[int]) -> Callable:
     The repacked copy stays beside the model's own weights, which eager paths still read.
     """
     import torch._inductor.config as inductor_config
+    import torch._inductor.inductor_prims  # noqa: F401  (model.in_memory's prim)
     options = dict(freezing=True, autotune_num_choices_displayed=0,
                    post_grad_custom_post_pass=weights_cache_key(model),
                    **(kernel_options(model, rows) if rows is not None else {}))

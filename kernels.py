@@ -31,14 +31,37 @@ INDUCTOR_HINTS = {"freeze": False}
 ISA_CODES = {"avx2": 0, "avx512": 1, "avx512vnni": 2}  # the ops' isa argument (kernels.cpp)
 
 
+CFLAGS = ["-O3", "-fopenmp"]
+
+
 @functools.cache
 def extension():
-    from torch.utils.cpp_extension import load
-    print("kernels.cpp: building or loading the compiled extension (the first build takes ~30 s)", file=sys.stderr,
-          flush=True)
+    """The built kernels.cpp and attention.cpp: imported straight from the library built for these
+    sources, flags, torch and Python, without asking the compiler and ninja whether it is up to
+    date (three subprocesses, a visible part of a warm start); built by torch's extension loader
+    the first time, into $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions)."""
+    import hashlib
+    import importlib.util
+    import os
     here = Path(__file__).parent
-    return load("brisk_kernels", [str(here / "kernels.cpp"), str(here / "attention.cpp")],
-                extra_cflags=["-O3", "-fopenmp"], verbose=False)
+    sources = [here / "kernels.cpp", here / "attention.cpp"]
+    digest = hashlib.sha256(repr((CFLAGS, torch.__version__, sys.version)).encode()
+                            + b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
+    name = f"brisk_kernels_{digest}"
+    build = Path(os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")).expanduser() / name
+    built = build / f"{name}.so"
+    if built.is_file():
+        try:
+            spec = importlib.util.spec_from_file_location(name, built)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        except (ImportError, OSError):  # damaged (a killed build): the loader builds it again
+            pass
+    from torch.utils.cpp_extension import load
+    print("kernels.cpp: building the compiled extension (~30 s, once)", file=sys.stderr, flush=True)
+    build.mkdir(parents=True, exist_ok=True)
+    return load(name, [str(p) for p in sources], extra_cflags=CFLAGS, build_directory=str(build), verbose=False)
 
 
 @functools.cache

@@ -15,7 +15,6 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.nn import functional as F
 
 from rope import apply_rope, precompute_rope, rope_frequencies
@@ -508,7 +507,9 @@ class MoEFeedForward(nn.Module):
                     out.index_add_(0, token, weights[token, slot, None] * self.expert(x[token], e))
             return out.reshape(shape)
         # A token count the graph does not know (a compiled prefill's unbacked batch) takes the
-        # all-experts path below, right for any count.
+        # all-experts path below, right for any count. (Imported here, while tracing: it imports
+        # sympy, half a second of every start.)
+        from torch.fx.experimental.symbolic_shapes import guard_or_false
         if self.gathers and guard_or_false(x.shape[0] * self.top_k <= E):
             # Compiled decode: only the selected experts' weights are read.
             w1, w3, w2 = self.expert_weights(experts)
