@@ -49,9 +49,10 @@ def compile_step(fn: Callable, device: str) -> Callable:
 def unfrozen_step(fn: Callable) -> Callable:
     """fn compiled for a packed CPU model (weights as they are, inputs of the graph), for caches of
     any length. Each kind of call (its signature: the shapes of its tensors, the values of its other
-    arguments, the model's structure) compiles once into a file that later runs load in a few
-    seconds (`precompiled`); under torchrun, or where torch lacks that API, dynamo's own caches."""
-    if torch.distributed.is_initialized() or not hasattr(torch.compiler, "load_compiled_function"):
+    arguments, the model's structure) compiles once into a package that later runs load in well
+    under a second (`precompiled`); under torchrun (its collectives), or where torch lacks
+    AOTInductor's package loader, through dynamo and its own caches."""
+    if torch.distributed.is_initialized() or not hasattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader"):
         return dynamo_step(fn)
     steps = weakref.WeakKeyDictionary()  # model -> {call signature: its compiled step}
 
@@ -60,7 +61,15 @@ def unfrozen_step(fn: Callable) -> Callable:
         signature = call_signature(model, args, kwargs)
         f = by_signature.get(signature)
         if f is None:
-            f = by_signature[signature] = precompiled(fn, model, args, kwargs, signature)
+            try:
+                f = precompiled(fn, model, args, kwargs, signature)
+            except Exception as e:  # export's refusals come in many classes: the step still runs
+                import sys
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                print(f"compiling: {fn.__qualname__} could not be compiled ahead of time ({reason}); compiling it "
+                      "through dynamo", file=sys.stderr, flush=True)
+                f = dynamo_step(fn)
+            by_signature[signature] = f
         return f(model, *args, **kwargs)
     return step
 
@@ -180,7 +189,9 @@ def export_and_package(fn: Callable, model, args: tuple, kwargs: dict, path) -> 
     # Example inputs apart from the model's own tensors (an input that aliases a buffer fails to
     # export); the contents never matter: export traces with shapes alone.
     examples = [calls[i].clone() for i in at], [torch.empty_like(t) for t in sequence_tensors(model).values()]
-    length = torch.export.Dim("positions", min=2, max=max(model.config.block_size, 2))
+    # DYNAMIC: export may narrow a length's range (a step that attends to the first 256 positions
+    # needs at least 256) rather than fail; a cache of one position is a static shape.
+    length = torch.export.Dim.DYNAMIC
     dims = [None if model.max_seq_length == 1 else {0 if n.endswith("cos_sin") else 2: length} for n in names]
     program = torch.export.export(Step(), examples, dynamic_shapes=([None] * len(at), dims), strict=False)
     with open(path, "wb") as f:  # a file object: the package's own name must end in .pt2

@@ -115,7 +115,7 @@ def check_request(request: Request, max_seq_length: int, vocab_size: int):
     check_sampling(request.temperature, request.top_k, request.top_p)
 
 
-def decode_step(model: Transformer, x: Tensor, input_pos: Tensor, kv_len: int) -> Tensor:
+def decode_step(model: Transformer, x: Tensor, input_pos: Tensor, kv_len: Optional[int]) -> Tensor:
     """x [B, 1] at per-row positions input_pos [B, 1], attending to the first kv_len cache positions
     -> logits [B, V]: the step compile_step compiles (one graph per kv_len bucket)."""
     return model(x, input_pos, kv_len=kv_len)[:, -1]
@@ -132,10 +132,13 @@ def prefill_step(model: Transformer, x: Tensor, input_pos: Tensor, cache_rows: T
     return model(x, input_pos, from_start=from_start, cache_rows=cache_rows, logits_at=logits_at, kv_len=kv_len)[:, -1]
 
 
-def kv_bucket(positions_in_use: int, max_seq_length: int) -> int:
+def kv_bucket(positions_in_use: int, max_seq_length: int) -> Optional[int]:
     """Attention reads the cache up to a power of two (>= 256) above the positions in use: a decode
-    step's cost follows the longest live sequence, not the cache's size, in a few static shapes."""
-    return min(max_seq_length, max(256, 1 << (positions_in_use - 1).bit_length()))
+    step's cost follows the longest live sequence, not the cache's size, in a few static shapes.
+    None where that reaches the cache's end: the whole cache, whatever its length (a compiled step
+    for it then serves caches of any length, rather than one pinned to this one's)."""
+    bucket = max(256, 1 << (positions_in_use - 1).bit_length())
+    return bucket if bucket < max_seq_length else None
 
 
 class Engine:
@@ -164,7 +167,7 @@ class Engine:
         self.sync = sync
         self.rng = random.Random(seed)
         self.next_id = 0
-        self.last_kv_len = None
+        self.last_kv_len = 0  # the bucket of the last decode step (0: none yet; None: the whole cache)
 
     # -- what callers use ----------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """kernels.cpp's packed products against float64 matrix products (fp32, and int8 / int4 against
 their dequantized weights) and transformers' models."""
+import json
 import os
 import shutil
 import subprocess
@@ -314,6 +315,63 @@ def test_packed_model_decodes_any_cache_length_with_one_graph(tmp_path, capfd):
         assert compiled.tolist() == eager.tolist(), (prompt_len, new_tokens)
     err = capfd.readouterr().err
     assert err.count("compiling: compiled ") + err.count("compiling: loaded ") == 1, err
+
+
+def test_compiled_sampling_draws_as_eager_does(tmp_path, monkeypatch):
+    """A packed model's compiled step samples from torch's generator (compiling.export_and_package:
+    fallback_random), so under the same seed it picks the same tokens as eager, with top-k and
+    top-p too; a damaged package compiles again, with a message, and decodes the same."""
+    from compiling import compile_step
+    from decode import decode_one_token, generate
+    if kernels.best_isa() == "":
+        pytest.skip("kernels.cpp has no code for this CPU")
+    monkeypatch.setenv("BRISK_COMPILE_CACHE", str(tmp_path / "compiled"))
+    model = kernels.pack_for_cpu(load_model(save_and_convert(make_hf_model("llama31", seed=7), tmp_path)))
+    sampling = dict(temperature=0.9, top_k=40, top_p=0.95)
+
+    def run(decode_fn=decode_one_token):
+        torch.manual_seed(11)
+        return generate(model, torch.arange(5, 12), 24, decode_fn=decode_fn, **sampling).tolist()
+    eager = run()
+    assert run(compile_step(decode_one_token, "cpu")) == eager
+    assert eager != generate(model, torch.arange(5, 12), 24).tolist(), "sampled as greedy: the test would prove nothing"
+    (package,) = (tmp_path / "compiled").glob("*.pt2")
+    package.write_bytes(b"not a package")
+    proc = subprocess.run([sys.executable, "-c", SAMPLE_IN_A_NEW_PROCESS, str(tmp_path / "model.pth")],
+                          env=dict(os.environ, PYTHONPATH=str(Path(kernels.__file__).parent)), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "does not load (RuntimeError); compiling again" in proc.stderr and "compiling: compiled" in proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == eager
+
+
+def test_a_step_that_does_not_export_compiles_through_dynamo(tmp_path, capfd):
+    """A step whose code branches on the caches' length cannot be exported for caches of any
+    length: it says so in one line and runs through dynamo instead, with the eager model's logits."""
+    from compiling import compile_step
+    if kernels.best_isa() == "":
+        pytest.skip("kernels.cpp has no code for this CPU")
+    model = kernels.pack_for_cpu(load_model(save_and_convert(make_hf_model("llama31", seed=8), tmp_path)))
+    model.setup_caches(max_batch_size=1, max_seq_length=24)
+    step = lambda m, x, p: m(x, p) * (2 if m.rope_cos_sin.shape[0] == 24 else 1)  # noqa: E731
+    x, pos = torch.tensor([[3]]), torch.tensor([4], dtype=torch.int)
+    with torch.no_grad():
+        torch.testing.assert_close(compile_step(step, "cpu")(model, x, pos), 2 * model(x, pos), atol=1e-4, rtol=1e-4)
+    err = capfd.readouterr().err
+    assert "could not be compiled ahead of time (" in err and "; compiling it through dynamo" in err, err
+
+
+SAMPLE_IN_A_NEW_PROCESS = """
+import json, sys, torch
+import kernels
+from compiling import compile_step
+from decode import decode_one_token, generate
+from load import load_model
+model = kernels.pack_for_cpu(load_model(sys.argv[1]))
+torch.manual_seed(11)
+print(json.dumps(generate(model, torch.arange(5, 12), 24, decode_fn=compile_step(decode_one_token, "cpu"),
+                          temperature=0.9, top_k=40, top_p=0.95).tolist()))
+"""
 
 
 def test_hooks_move_with_the_module(isa):
