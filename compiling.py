@@ -193,11 +193,34 @@ def export_and_package(fn: Callable, model, args: tuple, kwargs: dict, path) -> 
     # needs at least 256) rather than fail; a cache of one position is a static shape.
     length = torch.export.Dim.DYNAMIC
     dims = [None if model.max_seq_length == 1 else {0 if n.endswith("cos_sin") else 2: length} for n in names]
-    program = torch.export.export(Step(), examples, dynamic_shapes=([None] * len(at), dims), strict=False)
+    with buffers_as_parameters(model, names):
+        program = torch.export.export(Step(), examples, dynamic_shapes=([None] * len(at), dims), strict=False)
     with open(path, "wb") as f:  # a file object: the package's own name must end in .pt2
         torch._inductor.aoti_compile_and_package(program, package_path=f, inductor_configs={
             "aot_inductor.package_constants_in_so": False,  # the weights are the model's, read in place
             "fallback_random": True})  # sampling draws from torch's generator, as eager steps do
+
+
+@contextlib.contextmanager
+def buffers_as_parameters(model, keep: list):
+    """The model's buffers (packed and quantized weights) as parameters that share their memory,
+    all but those named in `keep`: AOTInductor copies every buffer of the graph it compiles (in
+    case the step mutates it), which is a second copy of a packed model's weights in memory
+    while it compiles; parameters it leaves alone."""
+    moved, as_parameter = [], {}  # as_parameter: one Parameter per tensor (a tied weight stays one)
+    for owner, module in model.named_modules():
+        for name, t in list(module._buffers.items()):
+            if t is not None and f"{owner}.{name}".removeprefix(".") not in keep:
+                p = as_parameter.setdefault(id(t), nn.Parameter(t, requires_grad=False))
+                moved.append((module, name, t))
+                del module._buffers[name]
+                module._parameters[name] = p
+    try:
+        yield
+    finally:
+        for module, name, t in moved:
+            del module._parameters[name]
+            module._buffers[name] = t
 
 
 def swap_tensors(model, tensors: dict) -> dict:
