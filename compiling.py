@@ -5,9 +5,9 @@ CUDA: CUDA graphs (one launch per step). CPU: a model whose products are kernels
 at load time: kernels.py, quantized.py) compiles as it is, for caches of any length, through
 torch.export and AOTInductor into a package that a second run loads without dynamo or inductor.
 Other models' weights are frozen into the graph so inductor repacks them once for its GEMM
-kernels, whose matrix-vector products use every core (eager PyTorch's run on one). Which kernels inductor may pick is asked of the model's modules
-(`inductor_hints`, declared by kernels.py's and quantized.py's modules); nothing here knows
-their classes.
+kernels, whose matrix-vector products use every core (eager PyTorch's run on one). Which kernels
+inductor may pick is asked of the model's modules (`inductor_hints`, declared by kernels.py's and
+quantized.py's modules); nothing here knows their classes.
 """
 import contextlib
 import hashlib
@@ -162,6 +162,11 @@ def sequence_tensors(model) -> dict:
     return tensors
 
 
+def sequence_dim(name: str) -> int:
+    """The positions dimension of the sequence tensor `name`: a RoPE table's rows, a cache's third."""
+    return 0 if name.endswith("cos_sin") else 2
+
+
 def export_and_package(fn: Callable, model, args: tuple, kwargs: dict, path) -> None:
     """torch.export fn(model, *args, **kwargs) with its tensor arguments and the model's sequence
     tensors as inputs, and compile it with AOTInductor into the package `path`."""
@@ -192,7 +197,7 @@ def export_and_package(fn: Callable, model, args: tuple, kwargs: dict, path) -> 
     # DYNAMIC: export may narrow a length's range (a step that attends to the first 256 positions
     # needs at least 256) rather than fail; a cache of one position is a static shape.
     length = torch.export.Dim.DYNAMIC
-    dims = [None if model.max_seq_length == 1 else {0 if n.endswith("cos_sin") else 2: length} for n in names]
+    dims = [None if model.max_seq_length == 1 else {sequence_dim(n): length} for n in names]
     with buffers_as_parameters(model, names):
         program = torch.export.export(Step(), examples, dynamic_shapes=([None] * len(at), dims), strict=False)
     with open(path, "wb") as f:  # a file object: the package's own name must end in .pt2
@@ -211,10 +216,11 @@ def buffers_as_parameters(model, keep: list):
     for owner, module in model.named_modules():
         for name, t in list(module._buffers.items()):
             if t is not None and f"{owner}.{name}".removeprefix(".") not in keep:
-                p = as_parameter.setdefault(id(t), nn.Parameter(t, requires_grad=False))
+                if id(t) not in as_parameter:
+                    as_parameter[id(t)] = nn.Parameter(t, requires_grad=False)
                 moved.append((module, name, t))
                 del module._buffers[name]
-                module._parameters[name] = p
+                module._parameters[name] = as_parameter[id(t)]
     try:
         yield
     finally:
@@ -235,19 +241,18 @@ def swap_tensors(model, tensors: dict) -> dict:
 
 
 def load_package(path, model) -> Callable:
-    """The step in the package at `path`, reading the model's weights where they are."""
+    """The step in the package at `path` for calls with `model`, reading its weights where they are."""
     from torch.utils._pytree import tree_unflatten, treespec_loads
     loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
     own = dict(model.state_dict(keep_vars=True), **dict(model.named_buffers()))
     loader.load_constants({name: own[name.removeprefix("model.")].detach() for name in loader.get_constant_fqns()},
                           False, True, True)  # every constant given, held by the model (user-managed)
     out_spec = treespec_loads(loader.get_call_spec()[1])
-    sequence = weakref.WeakKeyDictionary()  # model -> (its RoPE table, its sequence tensors) when last called
+    seen = [None, []]  # the model's RoPE table and its sequence tensors when last called
 
     def step(model, *args, **kwargs):
-        seen = sequence.get(model)
-        if seen is None or seen[0] is not model.rope_cos_sin:  # setup_caches made new ones
-            seen = sequence[model] = model.rope_cos_sin, list(sequence_tensors(model).values())
+        if seen[0] is not model.rope_cos_sin:  # setup_caches made new ones
+            seen[:] = model.rope_cos_sin, list(sequence_tensors(model).values())
         inputs = [a for a in (*args, *(v for _, v in sorted(kwargs.items()))) if isinstance(a, torch.Tensor)]
         return tree_unflatten(loader.run(inputs + seen[1]), out_spec)
     return step
@@ -300,7 +305,7 @@ def structure_digest(model) -> str:
             if t is not None:
                 shape = list(t.shape)
                 if isinstance(module, KVCache) or tensor_name.endswith("cos_sin"):
-                    shape[2 if isinstance(module, KVCache) else 0] = -1
+                    shape[sequence_dim(tensor_name)] = -1
                 digest.update(repr((tensor_name, t.dtype, shape)).encode())
     return digest.hexdigest()
 
@@ -308,13 +313,8 @@ def structure_digest(model) -> str:
 def sequence_dims_dynamic(model):
     """Mark the positions dimension of the model's KV caches and RoPE tables dynamic (a cache of
     one position stays static: dynamo specialises sizes 0 and 1)."""
-    for module in model.modules():
-        if isinstance(module, KVCache):
-            torch._dynamo.maybe_mark_dynamic(module.k_cache, 2)
-            torch._dynamo.maybe_mark_dynamic(module.v_cache, 2)
-    for table in (model.rope_cos_sin, getattr(model, "rope_local_cos_sin", None)):
-        if table is not None:
-            torch._dynamo.maybe_mark_dynamic(table, 0)
+    for name, t in sequence_tensors(model).items():
+        torch._dynamo.maybe_mark_dynamic(t, sequence_dim(name))
 
 
 def compile_prefill(fn: Callable, device: str) -> Callable:

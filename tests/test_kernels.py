@@ -295,7 +295,8 @@ def test_a_saved_step_loads_without_dynamo_or_inductor(tmp_path):
     assert "compiling: compiled " in runs[0].stderr and "compiling: loaded " in runs[1].stderr
     cold, warm = [list(map(int, r.stdout.split()[-4:])) for r in runs]
     assert cold[0] > 0 and cold[1:3] == [1, 1] and cold[3] == 0, cold  # the first run compiled, and packed
-    assert warm == [0, 0, 0, 1], runs[1].stderr[-3000:] + f"warm run: {warm[0]} subprocesses, dynamo {warm[1]}, inductor {warm[2]}, mapped {warm[3]}"
+    assert warm == [0, 0, 0, 1], (runs[1].stderr[-3000:] + f"warm run: {warm[0]} subprocesses, dynamo {warm[1]}, "
+                                  f"inductor {warm[2]}, mapped {warm[3]}")
 
 
 def test_packed_model_decodes_any_cache_length_with_one_graph(tmp_path, capfd):
