@@ -58,64 +58,91 @@ struct Partial {  // one chunk of positions, per query row: max score, sum of ex
   float max[MAX_ROWS], sum[MAX_ROWS];
 };
 
+// The sums of 16 vectors as one: lane i is the sum of v[i]'s 16 values. A tree of shuffles and
+// adds (45 instructions) where 16 separate reductions would take over a hundred.
+AVX512 inline __m512 sum16(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; i++)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of v[2i], v[2i+1]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; j++)  // per lane: that lane's sum of v[4j .. 4j+3]
+    quads[j] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // Lanes across: lane j of the result sums lanes 0-3 of quads[j].
+  __m512 g0 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 g1 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(g0, g1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(g0, g1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Scores of query row qr against the n <= 16 key vectors at k (row stride D), lane i for k[i].
+template <int VECS, class T>
+AVX512 inline __m512 scores16(const __m512* qr, const T* k, int64_t D, int64_t n) {
+  __m512 dot[16];
+  for (int i = 0; i < 16; i++) {
+    dot[i] = _mm512_setzero_ps();
+    if (i < n)
+      for (int j = 0; j < VECS; j++) dot[i] = _mm512_fmadd_ps(qr[j], load16(k + i * D + 16 * j, D - 16 * j), dot[i]);
+  }
+  return sum16(dot);
+}
+
 // Query rows q [R, VECS * 16] (fp32, zero-padded) against positions [s0, s1) of one cache row's head
 // k, v [S, D]; visible[r * S + s] says which positions row r sees. Writes part and acc [R, VECS * 16].
-// VECS vectors of 16 features are a compile-time count, so that a row's sums stay in registers.
+// scores: room for ceil(R / GROUP) * GROUP rows of s1 - s0 positions rounded up to 16.
+// Each block of 16 keys and each value vector is read from memory once for all rows (then from the
+// core's cache); VECS vectors of 16 features are a compile-time count, so that sums stay in registers.
 template <int VECS, class T>
 AVX512 void attend_chunk(const float* q, int64_t R, int64_t D, const T* k, const T* v, const bool* visible,
                          int64_t S, int64_t s0, int64_t s1, float scale, float* scores, Partial& part, float* acc) {
-  int64_t n = s1 - s0;
-  const float minus_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < R; r++) {  // scores, four positions at a time (independent sums)
-    __m512 qr[VECS];
-    for (int j = 0; j < VECS; j++) qr[j] = _mm512_loadu_ps(q + (r * VECS + j) * 16);
-    const bool* vis = visible + r * S;
-    float* row = scores + r * n, top = minus_inf;
-    int64_t s = s0;
-    for (; s + 4 <= s1; s += 4) {
-      __m512 dot[4];
-      for (int i = 0; i < 4; i++) {
-        dot[i] = _mm512_mul_ps(qr[0], load16(k + (s + i) * D, D));
-        for (int j = 1; j < VECS; j++) dot[i] = _mm512_fmadd_ps(qr[j], load16(k + (s + i) * D + 16 * j, D - 16 * j), dot[i]);
-      }
-      for (int i = 0; i < 4; i++) {
-        float score = vis[s + i] ? _mm512_reduce_add_ps(dot[i]) * scale : minus_inf;
-        row[s + i - s0] = score;
-        top = std::max(top, score);
-      }
+  constexpr int GROUP = VECS >= 16 ? 1 : 16 / VECS;  // rows whose sums of p v fit in registers together
+  const int64_t n = s1 - s0, stride = (n + 15) / 16 * 16;
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 top[MAX_ROWS];
+  for (int64_t r = 0; r < R; r++) top[r] = minus_inf;
+  for (int64_t b = 0; b < n; b += 16) {  // scores, 16 positions at a time; -inf where masked
+    int64_t m = std::min<int64_t>(16, n - b);
+    for (int64_t r = 0; r < R; r++) {
+      __m512 qr[VECS];
+      for (int j = 0; j < VECS; j++) qr[j] = _mm512_loadu_ps(q + (r * VECS + j) * 16);
+      __m512 sc = _mm512_mul_ps(m == 16 ? scores16<VECS>(qr, k + (s0 + b) * D, D, 16)
+                                        : scores16<VECS>(qr, k + (s0 + b) * D, D, m), _mm512_set1_ps(scale));
+      __m128i vis = _mm_maskz_loadu_epi8(first(m), visible + r * S + s0 + b);
+      sc = _mm512_mask_blend_ps(_mm_test_epi8_mask(vis, vis), minus_inf, sc);
+      _mm512_storeu_ps(scores + r * stride + b, sc);
+      top[r] = _mm512_max_ps(top[r], sc);
     }
-    for (; s < s1; s++) {
-      __m512 dot = _mm512_mul_ps(qr[0], load16(k + s * D, D));
-      for (int j = 1; j < VECS; j++) dot = _mm512_fmadd_ps(qr[j], load16(k + s * D + 16 * j, D - 16 * j), dot);
-      float score = vis[s] ? _mm512_reduce_add_ps(dot) * scale : minus_inf;
-      row[s - s0] = score;
-      top = std::max(top, score);
-    }
-    part.max[r] = top;
   }
   for (int64_t r = 0; r < R; r++) {  // exponentials (0 where masked) and their sum
-    float* row = scores + r * n;
-    __m512 m = _mm512_set1_ps(part.max[r] == minus_inf ? 0.f : part.max[r]), total = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-      __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + i), m));
+    float* row = scores + r * stride;
+    part.max[r] = _mm512_reduce_max_ps(top[r]);
+    __m512 mx = _mm512_set1_ps(std::isinf(part.max[r]) ? 0.f : part.max[r]), total = _mm512_setzero_ps();
+    for (int64_t i = 0; i < stride; i += 16) {
+      __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + i), mx));
       _mm512_storeu_ps(row + i, e);
       total = _mm512_add_ps(total, e);
     }
-    float sum = _mm512_reduce_add_ps(total);
-    for (; i < n; i++) sum += row[i] = row[i] == minus_inf ? 0.f : std::exp(row[i] - part.max[r]);
-    part.sum[r] = sum;
+    part.sum[r] = _mm512_reduce_add_ps(total);
   }
-  for (int64_t r = 0; r < R; r++) {  // sum of p v per row, in registers
-    __m512 a[VECS];
-    for (int j = 0; j < VECS; j++) a[j] = _mm512_setzero_ps();
-    const float* p = scores + r * n;
-    for (int64_t s = s0; s < s1; s++) {
-      if (p[s - s0] == 0.f) continue;  // masked (or negligible)
-      __m512 ps = _mm512_set1_ps(p[s - s0]);
-      for (int j = 0; j < VECS; j++) a[j] = _mm512_fmadd_ps(ps, load16(v + s * D + 16 * j, D - 16 * j), a[j]);
+  for (int64_t r = R; r < (R + GROUP - 1) / GROUP * GROUP; r++)  // rows past R weigh nothing
+    std::fill(scores + r * stride, scores + r * stride + n, 0.f);
+  for (int64_t r0 = 0; r0 < R; r0 += GROUP) {  // sums of p v, GROUP rows at a time
+    __m512 a[GROUP][VECS];
+    for (int g = 0; g < GROUP; g++)
+      for (int j = 0; j < VECS; j++) a[g][j] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < n; s++) {
+      __m512 vs[VECS];
+      for (int j = 0; j < VECS; j++) vs[j] = load16(v + (s0 + s) * D + 16 * j, D - 16 * j);
+      for (int g = 0; g < GROUP; g++) {
+        float p = scores[(r0 + g) * stride + s];
+        __mmask16 use = p != 0.f ? (__mmask16)0xffff : (__mmask16)0;  // a masked value is never added
+        __m512 ps = _mm512_set1_ps(p);
+        for (int j = 0; j < VECS; j++) a[g][j] = _mm512_mask3_fmadd_ps(ps, vs[j], a[g][j], use);
+      }
     }
-    for (int j = 0; j < VECS; j++) _mm512_storeu_ps(acc + (r * VECS + j) * 16, a[j]);
+    for (int g = 0; g < GROUP && r0 + g < R; g++)
+      for (int j = 0; j < VECS; j++) _mm512_storeu_ps(acc + ((r0 + g) * VECS + j) * 16, a[g][j]);
   }
 }
 
@@ -153,7 +180,8 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   const T* vp = v_cache.data_ptr<T>();
   const float* qp = qf.data();
   at::parallel_for(0, B * H * chunks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(R * chunk);
+    // Room for whole groups of rows (attend_chunk) of positions rounded up to 16.
+    std::vector<float> scores((R + 15) * ((chunk + 15) / 16 * 16));
     for (int64_t t = t0; t < t1; t++) {
       int64_t b = t / (H * chunks), h = t / chunks % H, c = t % chunks;
       int64_t s0 = c * chunk, s1 = std::min(seen, s0 + chunk);
