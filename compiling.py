@@ -203,6 +203,9 @@ def export_and_package(fn: Callable, model, args: tuple, kwargs: dict, path) -> 
     with open(path, "wb") as f:  # a file object: the package's own name must end in .pt2
         torch._inductor.aoti_compile_and_package(program, package_path=f, inductor_configs={
             "aot_inductor.package_constants_in_so": False,  # the weights are the model's, read in place
+            # The wrapper only calls the kernels, in order: optimising it and its debug line tables
+            # took a third of a cold compile for no difference in a step's time (README, Benchmarks).
+            "aot_inductor.compile_wrapper_opt_level": "O0", "aot_inductor.enable_line_tables": False,
             "fallback_random": True})  # sampling draws from torch's generator, as eager steps do
 
 

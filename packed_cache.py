@@ -17,14 +17,17 @@ checkpoint is never loaded this way. The cache holds one file per checkpoint and
 by everything that decides its bytes: the checkpoint (path, size, modification time), its
 config.json, brisk's code, the CPU's instruction sets and torch's version; any change writes a new
 file and removes the old. $BRISK_PACKED_CACHE: the folder (default ~/.cache/brisk/packed), or
-"off".
+"off". The file is written in the background (at the disk's pace, seconds per GB, which a first
+run spends compiling and generating); the process exits once it is complete.
 """
+import copy
 import hashlib
 import itertools
 import os
 import pickle
 import shutil
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -70,8 +73,27 @@ def load_packed(checkpoint_path, device="cpu", precision: torch.dtype = torch.fl
             return model
     model = pack_for_cpu(load_model(checkpoint_path, device, precision))
     if path is not None:
-        keep(model, path)
+        keep_in_background(model, path)
     return model
+
+
+WRITER = "packed_cache.keep"  # the name of the threads keep_in_background starts
+
+
+def keep_in_background(model: Transformer, path: Path) -> None:
+    """keep(model, path) in a thread of its own (not a daemon: the process waits for it at exit).
+    It pickles a copy of the model's modules that shares their tensors, so that the caller may
+    change the model meanwhile (setup_caches, a compile's tracing); the weights are never written to."""
+    shared = {id(t): t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)}
+    shared.update((id(t), t) for t in itertools.chain(model.parameters(), model.buffers()))
+    threading.Thread(target=keep, args=(copy.deepcopy(model, shared), path), name=WRITER).start()
+
+
+def finish_writing() -> None:
+    """Wait for the packed models this process is still writing (a benchmark, before it measures)."""
+    for thread in threading.enumerate():
+        if thread.name == WRITER:
+            thread.join()
 
 
 def read(path: Path) -> Optional[Transformer]:

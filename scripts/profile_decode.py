@@ -20,7 +20,7 @@ import decode  # noqa: E402
 import load  # noqa: E402
 from compiling import compile_step, compiled_steps_dir, skip_guards  # noqa: E402
 from errors import check_output_file, error_boundary, positive_int  # noqa: E402
-from packed_cache import load_packed  # noqa: E402
+from packed_cache import finish_writing, load_packed  # noqa: E402
 
 
 def profile_decode(checkpoint_path: Path, precision: str, compile: bool, prompt_tokens: int, new_tokens: int,
@@ -32,6 +32,7 @@ def profile_decode(checkpoint_path: Path, precision: str, compile: bool, prompt_
     decode_fn = compile_step(decode.decode_one_token, device) if compile else decode.decode_one_token
     model.setup_caches(max_batch_size=1, max_seq_length=prompt_tokens + new_tokens)
     decode.generate(model, prompt, 4, prefill_fn=prefill_fn, decode_fn=decode_fn)  # warm-up (and compile)
+    finish_writing()  # a first run's packed model, written in the background: not beside the profile
 
     # Profile decode steps only: prefill once outside the profiler, then the steps one by one.
     with torch.no_grad():

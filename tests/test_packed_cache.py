@@ -7,6 +7,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +20,13 @@ import quantize
 from compiling import structure_digest
 from conftest import make_hf_model, save_and_convert
 from load import load_model
-from packed_cache import load_packed
+
+
+def load_packed(*args, **kwargs):
+    """packed_cache.load_packed, and the file it keeps written (it writes in the background)."""
+    model = packed_cache.load_packed(*args, **kwargs)
+    packed_cache.finish_writing()
+    return model
 
 
 @pytest.fixture(autouse=True)
@@ -132,6 +139,25 @@ def test_off_or_a_full_disk_keeps_nothing(cache, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(packed_cache, "atomic_save", lambda obj, p: pickle.dumps(lambda: 0))  # unpicklable
     assert isinstance(load_packed(path, "cpu", precision).output, kernels.PackedLinear)
     assert "cannot be kept" in capsys.readouterr().err and kept(cache) == []
+
+
+def test_the_file_is_written_while_the_model_runs(cache, tmp_path, monkeypatch):
+    """load_packed returns before the packed model is on disk; the writer's copy of the modules is
+    its own (the caller sets up caches and runs meanwhile), and the file it writes maps a model that
+    computes what the one in use does."""
+    path, precision = checkpoint("llama31", "int8", tmp_path)
+    keep, go = packed_cache.keep, threading.Event()
+    monkeypatch.setattr(packed_cache, "keep", lambda model, p: go.wait(60) and keep(model, p))
+    model = packed_cache.load_packed(path, "cpu", precision)
+    assert kept(cache) == []  # not yet written
+    running = outputs(model)  # caches set up on the model while its writer waits
+    go.set()
+    packed_cache.finish_writing()
+    (file,) = kept(cache)
+    second = packed_cache.load_packed(path, "cpu", precision)
+    assert second.layers[0].attention.kv_cache is None  # kept as loaded, without the caches set up since
+    for a, b in zip(outputs(second), running):
+        assert torch.equal(a, b)
 
 
 TRACE_IN_A_NEW_PROCESS = """
