@@ -73,20 +73,11 @@ def load_packed(checkpoint_path, device="cpu", precision: torch.dtype = torch.fl
             return model
     model = pack_for_cpu(load_model(checkpoint_path, device, precision))
     if path is not None:
-        keep_in_background(model, path)
+        keep(model, path, background=True)
     return model
 
 
-WRITER = "packed_cache.keep"  # the name of the threads keep_in_background starts
-
-
-def keep_in_background(model: Transformer, path: Path) -> None:
-    """keep(model, path) in a thread of its own (not a daemon: the process waits for it at exit).
-    It pickles a copy of the model's modules that shares their tensors, so that the caller may
-    change the model meanwhile (setup_caches, a compile's tracing); the weights are never written to."""
-    shared = {id(t): t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)}
-    shared.update((id(t), t) for t in itertools.chain(model.parameters(), model.buffers()))
-    threading.Thread(target=keep, args=(copy.deepcopy(model, shared), path), name=WRITER).start()
+WRITER = "packed_cache.write"  # the name of the threads keep starts
 
 
 def finish_writing() -> None:
@@ -108,32 +99,57 @@ def read(path: Path) -> Optional[Transformer]:
     return model if isinstance(model, Transformer) else None
 
 
-def keep(model: Transformer, path: Path) -> None:
+def keep(model: Transformer, path: Path, background: bool = False) -> None:
     """Write model to path (atomically) and remove the files this one replaces (the same checkpoint
-    and precision, another version). A disk without room for it keeps nothing."""
+    and precision, another version). A disk without room for it keeps nothing. background: the
+    writing runs in a thread of its own (not a daemon: the process waits for it at exit), on a copy
+    of the model's modules that shares their tensors, so that the caller may change the model
+    meanwhile (setup_caches, a compile's tracing); the weights are never written to. The line saying
+    so is written before the thread starts, never into the middle of the caller's output."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in itertools.chain(model.parameters(), model.buffers())}
     size = sum(storages.values())
-    source = path.name.split("-")[0]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(path.parent).free
-        if free < size + (1 << 30):
-            print(f"packed_cache: not keeping the packed weights ({size / 1e6:,.0f} MB, {free / 1e6:,.0f} MB free in "
-                  f"{path.parent}); each start packs them again", file=sys.stderr, flush=True)
-            return
-        print(f"packed_cache: keeping the packed weights for the next start in {path} ({size / 1e6:,.0f} MB; "
-              "BRISK_PACKED_CACHE=off keeps none)", file=sys.stderr, flush=True)
+    except OSError as e:
+        say(f"packed_cache: could not keep the packed weights in {path.parent} ({e.strerror or e}); each start "
+            "packs them again")
+        return
+    if free < size + (1 << 30):
+        say(f"packed_cache: not keeping the packed weights ({size / 1e6:,.0f} MB, {free / 1e6:,.0f} MB free in "
+            f"{path.parent}); each start packs them again")
+        return
+    say(f"packed_cache: keeping the packed weights for the next start in {path} ({size / 1e6:,.0f} MB; "
+        "BRISK_PACKED_CACHE=off keeps none)")
+    if not background:
+        return write(model, path)
+    shared = {id(t): t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)}
+    shared.update((id(t), t) for t in itertools.chain(model.parameters(), model.buffers()))
+    threading.Thread(target=write, args=(copy.deepcopy(model, shared), path), name=WRITER).start()
+
+
+def write(model: Transformer, path: Path) -> None:
+    """keep's writing: the file, then the removal of the ones it replaces."""
+    try:
         # No CRC: computing it would take most of the write, and the file is read where it was written.
         with torch.utils.serialization.config.patch("save.compute_crc32", False):
             atomic_save(model, path)
     except OSError as e:
-        print(f"packed_cache: could not keep the packed weights in {path.parent} ({e.strerror or e}); each start "
-              "packs them again", file=sys.stderr, flush=True)
+        say(f"packed_cache: could not keep the packed weights in {path.parent} ({e.strerror or e}); each start "
+            "packs them again")
         return
     except (pickle.PicklingError, TypeError, AttributeError) as e:  # a module holding a lambda or a handle
-        print(f"packed_cache: this model cannot be kept ({e}); each start packs it again", file=sys.stderr, flush=True)
+        say(f"packed_cache: this model cannot be kept ({e}); each start packs it again")
         return
+    source = path.name.split("-")[0]
     for old in path.parent.glob(f"{source}-*.pt"):
         if old != path:
             old.unlink(missing_ok=True)
+
+
+def say(line: str) -> None:
+    """A line to stderr in one write (print writes the newline apart: another thread's line could
+    come between)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -146,8 +146,8 @@ def test_the_file_is_written_while_the_model_runs(cache, tmp_path, monkeypatch):
     its own (the caller sets up caches and runs meanwhile), and the file it writes maps a model that
     computes what the one in use does."""
     path, precision = checkpoint("llama31", "int8", tmp_path)
-    keep, go = packed_cache.keep, threading.Event()
-    monkeypatch.setattr(packed_cache, "keep", lambda model, p: go.wait(60) and keep(model, p))
+    write, go = packed_cache.write, threading.Event()
+    monkeypatch.setattr(packed_cache, "write", lambda model, p: go.wait(60) and write(model, p))
     model = packed_cache.load_packed(path, "cpu", precision)
     assert kept(cache) == []  # not yet written
     running = outputs(model)  # caches set up on the model while its writer waits
