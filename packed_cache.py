@@ -73,7 +73,7 @@ def load_packed(checkpoint_path, device="cpu", precision: torch.dtype = torch.fl
             return model
     model = pack_for_cpu(load_model(checkpoint_path, device, precision))
     if path is not None:
-        keep(model, path, background=True)
+        keep(model, path)
     return model
 
 
@@ -99,13 +99,13 @@ def read(path: Path) -> Optional[Transformer]:
     return model if isinstance(model, Transformer) else None
 
 
-def keep(model: Transformer, path: Path, background: bool = False) -> None:
+def keep(model: Transformer, path: Path) -> None:
     """Write model to path (atomically) and remove the files this one replaces (the same checkpoint
-    and precision, another version). A disk without room for it keeps nothing. background: the
-    writing runs in a thread of its own (not a daemon: the process waits for it at exit), on a copy
-    of the model's modules that shares their tensors, so that the caller may change the model
-    meanwhile (setup_caches, a compile's tracing); the weights are never written to. The line saying
-    so is written before the thread starts, never into the middle of the caller's output."""
+    and precision, another version), in a thread of its own (not a daemon: the process waits for it
+    at exit) working on a copy of the model's modules that shares their tensors, so that the caller
+    may change the model meanwhile (setup_caches, a compile's tracing); the weights are never
+    written to. A disk without room for it keeps nothing. The line saying what is kept is written
+    before the thread starts, never into the middle of the caller's output."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in itertools.chain(model.parameters(), model.buffers())}
     size = sum(storages.values())
@@ -122,8 +122,6 @@ def keep(model: Transformer, path: Path, background: bool = False) -> None:
         return
     say(f"packed_cache: keeping the packed weights for the next start in {path} ({size / 1e6:,.0f} MB; "
         "BRISK_PACKED_CACHE=off keeps none)")
-    if not background:
-        return write(model, path)
     shared = {id(t): t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)}
     shared.update((id(t), t) for t in itertools.chain(model.parameters(), model.buffers()))
     threading.Thread(target=write, args=(copy.deepcopy(model, shared), path), name=WRITER).start()
