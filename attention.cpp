@@ -163,17 +163,25 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
       qf[i * vecs * 16 + d] = q_bf16 ? float(static_cast<const at::BFloat16*>(q_data)[i * D + d])
                                      : static_cast<const float*>(q_data)[i * D + d];
   // Positions past the last one a query row sees are never read: a cache longer than the context
-  // so far (generate.py's holds the whole generation) costs nothing until it fills.
+  // so far (generate.py's holds the whole generation) costs nothing until it fills. Nor those
+  // before the first one any row sees: a sliding window's layer reads its window, not the context.
   const bool* mp = mask.data_ptr<bool>();
-  int64_t seen = 0;
-  for (int64_t i = 0; i < (per_row ? B : 1) * R; i++) {
+  int64_t seen = 0, rows_total = (per_row ? B : 1) * R;
+  for (int64_t i = 0; i < rows_total; i++) {
     int64_t last = S;
     while (last > seen && !mp[i * S + last - 1]) last--;
     seen = std::max(seen, last);
   }
+  int64_t begin = seen;
+  for (int64_t i = 0; i < rows_total; i++) {
+    int64_t first = 0;
+    while (first < begin && !mp[i * S + first]) first++;
+    begin = std::min(begin, first);
+  }
   int threads = at::get_num_threads();
-  int64_t chunks = std::max<int64_t>(1, std::min((2 * threads + B * H - 1) / (B * H), seen / MIN_CHUNK));
-  int64_t chunk = (seen + chunks - 1) / chunks;
+  int64_t span = seen - begin;
+  int64_t chunks = std::max<int64_t>(1, std::min((2 * threads + B * H - 1) / (B * H), span / MIN_CHUNK));
+  int64_t chunk = (span + chunks - 1) / chunks;
   std::vector<Partial> parts(B * H * chunks);
   std::vector<float> accs(B * H * chunks * R * vecs * 16);
   const T* kp = k_cache.data_ptr<T>();
@@ -184,7 +192,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
     std::vector<float> scores((R + 15) * ((chunk + 15) / 16 * 16));
     for (int64_t t = t0; t < t1; t++) {
       int64_t b = t / (H * chunks), h = t / chunks % H, c = t % chunks;
-      int64_t s0 = c * chunk, s1 = std::min(seen, s0 + chunk);
+      int64_t s0 = begin + c * chunk, s1 = std::min(seen, s0 + chunk);
       int64_t row = rows ? rows[b] : b;
       const T* k = kp + (row * H + h) * cache_S * D;
       const T* v = vp + (row * H + h) * cache_S * D;

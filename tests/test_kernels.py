@@ -472,6 +472,26 @@ def test_cache_attention_equals_float64_reference(dtype, cache_dtype, B, H, R, D
 
 
 @needs_cache_attention
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_cache_attention_over_sliding_windows(cache_dtype, per_sequence):
+    """A sliding window's layer (Gemma 3's local layers, Mistral's): the kernel reads from the first
+    position any query row sees, its chunks offset from there; equal to the reference, one window for
+    all sequences or each sequence its own."""
+    torch.manual_seed(1)
+    B, H, R, D, S, W = 2, 2, 4, 64, 700, 150
+    k_cache, v_cache = (torch.randn(B, H, S, D).to(cache_dtype) for _ in range(2))
+    q = torch.randn(B, H, R, D)
+    lengths = torch.tensor([700, 520] if per_sequence else [700, 700]).view(B, 1, 1, 1)
+    before = lengths - torch.arange(R)[:, None]  # row r: the token r before the last
+    mask = (torch.arange(S) < before) & (torch.arange(S) >= before - W)
+    mask = mask if per_sequence else mask[0, 0]
+    got = kernels.cache_attention(q, k_cache, v_cache, None, mask, D ** -0.5)
+    torch.testing.assert_close(got, attention_reference(q, k_cache, v_cache, None, mask, D ** -0.5),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_cache_attention
 @pytest.mark.parametrize("family,kv_cache_dtype", [("llama31", None), ("mistral", None), ("gemma3", None),
                                                    ("head_dim", None), ("llama31", torch.bfloat16),
                                                    ("gemma3", torch.bfloat16)])
