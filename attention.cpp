@@ -106,6 +106,7 @@ AVX512 void attend_chunk(const float* q, int64_t R, int64_t D, const T* k, const
     for (int64_t r = 0; r < R; r++) {
       __m512 qr[VECS];
       for (int j = 0; j < VECS; j++) qr[j] = _mm512_loadu_ps(q + (r * VECS + j) * 16);
+      // A whole block passes the constant 16: inlined, its keys need no bound check.
       __m512 sc = _mm512_mul_ps(m == 16 ? scores16<VECS>(qr, k + (s0 + b) * D, D, 16)
                                         : scores16<VECS>(qr, k + (s0 + b) * D, D, m), _mm512_set1_ps(scale));
       __m128i vis = _mm_maskz_loadu_epi8(first(m), visible + r * S + s0 + b);
