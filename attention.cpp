@@ -6,7 +6,8 @@
 // key and value vector is read once, for all query rows of its head, and the positions are split
 // between the threads in chunks (flash-decoding): a chunk keeps its own running maximum, sum of
 // exponentials and weighted sum of values, and the chunks of a head are merged at the end, so
-// that even one sequence with three key/value heads keeps both cores busy.
+// that even one sequence with three key/value heads keeps both cores busy. And a prompt's causal
+// attention from position 0 over its own keys (prefill; further down).
 // Built with kernels.cpp into one extension (kernels.py); AVX-512 only (kernels.py uses it where
 // kernels.best_isa() says so; elsewhere model.py's own attention runs).
 #include <torch/extension.h>
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
@@ -238,6 +240,175 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   return out;
 }
 
+
+// ---- A prompt's attention from position 0 (prefill): causal, over the prompt's own keys ----
+// Flash attention's loop: per block of QBLOCK positions and key/value head, the query rows of all
+// the heads that share it (GQA) meet the key blocks up to the diagonal and no further, keeping a
+// running maximum, sum of exponentials and weighted sum of values per row. Blocks past the
+// diagonal are never computed (SDPA's CPU kernel computes a prompt of up to 512 keys whole, half of
+// it masked). Both products are register tiles of fp32 FMAs: scores against the keys transposed
+// once per head ([D, T]), sums of p v against the value rows as they are.
+constexpr int64_t QBLOCK = 32, KBLOCK = 64;  // KBLOCK: the 4 vectors of a score tile's row
+constexpr int TILE_ROWS = 6;                 // 6 rows x 4 vectors = 24 accumulators of the 32 registers
+
+// s[r, 0:64] = qs[r] . kt[:, 0:64] for ROWS query rows qs [ROWS, D] (scaled); kt [D, ld].
+template <int ROWS>
+AVX512 void score_tile(const float* qs, int64_t D, const float* kt, int64_t ld, float* s) {
+  __m512 acc[ROWS][4];
+  for (int r = 0; r < ROWS; r++)
+    for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d++) {
+    __m512 kv[4];
+    for (int j = 0; j < 4; j++) kv[j] = _mm512_loadu_ps(kt + d * ld + 16 * j);
+    for (int r = 0; r < ROWS; r++) {
+      __m512 x = _mm512_set1_ps(qs[r * D + d]);
+      for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(x, kv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < ROWS; r++)
+    for (int j = 0; j < 4; j++) _mm512_storeu_ps(s + r * KBLOCK + 16 * j, acc[r][j]);
+}
+
+// o[r, 0:16 VECS] = alpha[r] o[r] + sum_j p[r, j] v[j, 0:16 VECS], j < n, for ROWS rows (row
+// strides: o D, p KBLOCK, v ldv).
+template <int ROWS, int VECS>
+AVX512 void value_tile(const float* p, int64_t n, const float* v, int64_t ldv, const float* alpha, float* o,
+                       int64_t D) {
+  __m512 acc[ROWS][VECS];
+  for (int r = 0; r < ROWS; r++)
+    for (int j = 0; j < VECS; j++) acc[r][j] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * j), _mm512_set1_ps(alpha[r]));
+  for (int64_t i = 0; i < n; i++) {
+    __m512 vv[VECS];
+    for (int j = 0; j < VECS; j++) vv[j] = _mm512_loadu_ps(v + i * ldv + 16 * j);
+    for (int r = 0; r < ROWS; r++) {
+      __m512 x = _mm512_set1_ps(p[r * KBLOCK + i]);
+      for (int j = 0; j < VECS; j++) acc[r][j] = _mm512_fmadd_ps(x, vv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < ROWS; r++)
+    for (int j = 0; j < VECS; j++) _mm512_storeu_ps(o + r * D + 16 * j, acc[r][j]);
+}
+
+template <int R = 1, class F>
+void with_tile_rows(int64_t rows, F&& f) {  // f(std::integral_constant<int, rows>), rows <= TILE_ROWS
+  if constexpr (R < TILE_ROWS) {
+    if (rows != R) return with_tile_rows<R + 1>(rows, f);
+  }
+  f(std::integral_constant<int, R>{});
+}
+
+template <int R>
+AVX512 void value_rows(const float* p, int64_t n, const float* v, int64_t ldv, const float* alpha, float* o, int64_t D) {
+  int64_t c = 0;  // 4 vectors of features at a time, then the rest (D is a multiple of 16)
+  for (; c + 64 <= D; c += 64) value_tile<R, 4>(p, n, v + c, ldv, alpha, o + c, D);
+  switch ((D - c) / 16) {
+    case 1: value_tile<R, 1>(p, n, v + c, ldv, alpha, o + c, D); break;
+    case 2: value_tile<R, 2>(p, n, v + c, ldv, alpha, o + c, D); break;
+    case 3: value_tile<R, 3>(p, n, v + c, ldv, alpha, o + c, D); break;
+  }
+}
+
+// Scratch of one thread: rows [R, D] of queries (scaled), their sums of p v, scores [R, KBLOCK],
+// running maxima, sums and rescalings [R], and a block of values in fp32 [KBLOCK, D].
+struct PromptScratch {
+  std::vector<float> q, o, s, top, sum, alpha, v;
+  PromptScratch(int64_t rows, int64_t D)
+      : q(rows * D), o(rows * D), s(rows * KBLOCK), top(rows), sum(rows), alpha(rows), v(KBLOCK * D) {}
+};
+
+// The query rows of positions [t0, t0 + m) of the rep heads that share key/value head g of sequence
+// b, against keys [0, t0 + m): kt [D, Tp] is that head's keys transposed; writes y's rows.
+template <class E>
+AVX512 void attend_prompt_block(const torch::Tensor& q, const torch::Tensor& v, const float* kt, int64_t Tp,
+                                int64_t b, int64_t g, int64_t t0, int64_t m, float scale, PromptScratch& w,
+                                E* y) {
+  const int64_t H = q.size(1), T = q.size(2), D = q.size(3), rep = H / v.size(1), R = rep * m;
+  const E* qp = q.data_ptr<E>();
+  for (int64_t r = 0; r < R; r++) {  // row r: head g * rep + r / m, position t0 + r % m
+    const E* src = qp + b * q.stride(0) + (g * rep + r / m) * q.stride(1) + (t0 + r % m) * q.stride(2);
+    for (int64_t d = 0; d < D; d++) w.q[r * D + d] = static_cast<float>(src[d]) * scale;
+  }
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  std::fill(w.o.begin(), w.o.begin() + R * D, 0.f);
+  std::fill(w.top.begin(), w.top.begin() + R, minus_inf);
+  std::fill(w.sum.begin(), w.sum.begin() + R, 0.f);
+  for (int64_t n0 = 0; n0 < t0 + m; n0 += KBLOCK) {
+    const int64_t n = std::min(KBLOCK, t0 + m - n0);  // keys any row of the block sees
+    for (int64_t r = 0; r < R; r += TILE_ROWS)
+      with_tile_rows(std::min<int64_t>(TILE_ROWS, R - r), [&](auto rows) {
+        score_tile<decltype(rows)::value>(w.q.data() + r * D, D, kt + n0, Tp, w.s.data() + r * KBLOCK);
+      });
+    for (int64_t r = 0; r < R; r++) {  // row r sees keys up to its own position: -inf past it
+      float* row = w.s.data() + r * KBLOCK;
+      int64_t seen = std::min(n, t0 + r % m - n0 + 1);  // >= 1: n0 <= t0
+      __m512 sc[4], mx = _mm512_set1_ps(minus_inf);
+      for (int j = 0; j < 4; j++) sc[j] = _mm512_mask_blend_ps(first(seen - 16 * j), mx, _mm512_loadu_ps(row + 16 * j));
+      float block_top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(sc[0], sc[1]), _mm512_max_ps(sc[2], sc[3])));
+      float new_top = std::max(w.top[r], block_top);  // finite: the row sees key n0 at least
+      w.alpha[r] = std::exp(w.top[r] - new_top);      // 0 at the first block (top -inf)
+      __m512 total = _mm512_setzero_ps(), nt = _mm512_set1_ps(new_top);
+      for (int j = 0; j < 4; j++) {
+        __m512 e = exp16(_mm512_sub_ps(sc[j], nt));
+        _mm512_storeu_ps(row + 16 * j, e);
+        total = _mm512_add_ps(total, e);
+      }
+      w.sum[r] = w.sum[r] * w.alpha[r] + _mm512_reduce_add_ps(total);
+      w.top[r] = new_top;
+    }
+    const E* vsrc = v.data_ptr<E>() + b * v.stride(0) + g * v.stride(1) + n0 * v.stride(2);
+    const float* vb;
+    int64_t ldv;
+    if constexpr (std::is_same_v<E, float>) {
+      vb = vsrc, ldv = v.stride(2);
+    } else {
+      for (int64_t i = 0; i < n; i++)
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(w.v.data() + i * D + d, load16(vsrc + i * v.stride(2) + d, 16));
+      vb = w.v.data(), ldv = D;
+    }
+    for (int64_t r = 0; r < R; r += TILE_ROWS)
+      with_tile_rows(std::min<int64_t>(TILE_ROWS, R - r), [&](auto rows) {
+        value_rows<decltype(rows)::value>(w.s.data() + r * KBLOCK, n, vb, ldv, w.alpha.data() + r,
+                                          w.o.data() + r * D, D);
+      });
+  }
+  for (int64_t r = 0; r < R; r++) {
+    E* dst = y + (b * T + t0 + r % m) * H * D + (g * rep + r / m) * D;
+    float inv = 1.f / w.sum[r];
+    for (int64_t d = 0; d < D; d++) dst[d] = static_cast<E>(w.o[r * D + d] * inv);
+  }
+}
+
+// y [B, T, H * D] = causal attention of q [B, H, T, D] over k, v [B, KV, T, D].
+template <class E>
+void attend_prompt(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, float scale,
+                   torch::Tensor& y) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), KV = k.size(1);
+  const int64_t Tp = (T + KBLOCK - 1) / KBLOCK * KBLOCK, blocks = (T + QBLOCK - 1) / QBLOCK;
+  const E* kp = k.data_ptr<E>();
+  // Keys transposed per head, fp32, zero past T (masked scores: zeros keep them finite).
+  std::vector<float> kt(B * KV * D * Tp);
+  at::parallel_for(0, B * KV, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t bh = h0; bh < h1; bh++) {
+      const E* src = kp + bh / KV * k.stride(0) + bh % KV * k.stride(1);
+      float* dst = kt.data() + bh * D * Tp;
+      for (int64_t t = 0; t < Tp; t++)
+        for (int64_t d = 0; d < D; d++) dst[d * Tp + t] = t < T ? static_cast<float>(src[t * k.stride(2) + d]) : 0.f;
+    }
+  });
+  // Work items: (sequence, key/value head, block of positions), a head's blocks in the order first,
+  // last, second, second to last...: a thread's contiguous share of them costs about the same as
+  // another's, where a later block meets more keys.
+  at::parallel_for(0, B * KV * blocks, 1, [&](int64_t i0, int64_t i1) {
+    PromptScratch w(H / KV * QBLOCK, D);
+    for (int64_t item = i0; item < i1; item++) {
+      int64_t bh = item / blocks, z = item % blocks;
+      int64_t block = z % 2 == 0 ? z / 2 : blocks - 1 - z / 2, t0 = block * QBLOCK;
+      attend_prompt_block<E>(q, v, kt.data() + bh * D * Tp, Tp, bh / KV, bh % KV, t0, std::min(QBLOCK, T - t0),
+                             scale, w, y.data_ptr<E>());
+    }
+  });
+}
+
 }  // namespace
 
 bool attention_supported() {  // kernels.py asks before attaching the kernel
@@ -283,12 +454,35 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   return attend<at::BFloat16>(qc, k_cache, v_cache, rp, m, scale);
 }
 
+// q [B, H, T, D], k, v [B, KV, T, D] (any strides, features contiguous; H a multiple of KV), the
+// whole sequences so far from position 0: causal attention, softmax(q k^T * scale) v, returned as
+// [B, T, H * D] in q's dtype (the layout the output projection reads).
+torch::Tensor prompt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == q.size(0) &&
+                  k.size(2) == q.size(2) && k.size(3) == q.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "prompt_attention: q [B, H, T, D], k and v [B, KV, T, D], H a multiple of KV");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+                  (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16),
+              "prompt_attention: q, k, v all float32 or all bfloat16");
+  TORCH_CHECK(q.size(3) % 16 == 0 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "prompt_attention: a multiple of 16 features, contiguous");
+  auto y = torch::empty({q.size(0), q.size(2), q.size(1) * q.size(3)}, q.options());
+  if (q.numel() == 0) return y;
+  if (q.scalar_type() == torch::kFloat)
+    attend_prompt<float>(q, k, v, (float)scale, y);
+  else
+    attend_prompt<at::BFloat16>(q, k, v, (float)scale, y);
+  return y;
+}
+
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
   // flexible_layout: inductor passes its buffers as they are (the op copies what must be contiguous).
   // Under its default for custom ops (exact strides) it recomputed the step's mask for every layer.
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? rows, Tensor mask, float scale) -> Tensor",
         {at::Tag::flexible_layout});
+  m.def("prompt_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(brisk, CPU, m) {
   m.impl("decode_attention", &decode_attention);
+  m.impl("prompt_attention", &prompt_attention);
 }

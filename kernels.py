@@ -113,6 +113,11 @@ def register_fake():
     def _(q, k_cache, v_cache, rows, mask, scale):
         return q.new_empty(q.shape)
 
+    @torch.library.register_fake("brisk::prompt_attention")
+    def _(q, k, v, scale):
+        B, H, T, D = q.shape
+        return q.new_empty(B, T, H * D)
+
 
 def release_pages(t: Tensor) -> None:
     """Give the OS back the memory pages of `t`, a tensor of a memory-mapped checkpoint that was read
@@ -353,18 +358,18 @@ def can_pack(model: Transformer) -> bool:
 
 def pack_for_cpu(model: Transformer) -> Transformer:
     """What the command lines call after loading: the model packed where kernels.cpp serves it, and
-    its decode steps' attention on attention.cpp's kernel."""
+    its attention (decode steps, prompts) on attention.cpp's kernels."""
     if not can_pack(model):
         return model
     pack_linears(model)
     if cache_attention_supported():
-        use_cache_attention(model)
+        use_attention_kernels(model)
     return model
 
 
 @functools.cache
 def cache_attention_supported() -> bool:
-    """Whether attention.cpp's kernel runs here (AVX-512)."""
+    """Whether attention.cpp's kernels run here (AVX-512)."""
     return best_isa() != "" and extension().attention_supported()
 
 
@@ -374,12 +379,23 @@ def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Optional[
     return torch.ops.brisk.decode_attention(q, k_cache, v_cache, rows, mask, scale)
 
 
-def use_cache_attention(model: Transformer) -> None:
-    """Decode steps of every layer (but soft-capped ones, which model.py keeps) through cache_attention."""
+def prompt_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """model.Attention's attend_prompt: causal attention of a prompt from position 0 over its own keys,
+    [B, T, n_head * head_dim]; blocks past the diagonal are never computed (SDPA's CPU kernel computes
+    up to 512 keys whole)."""
+    return torch.ops.brisk.prompt_attention(q, k, v, scale)
+
+
+def use_attention_kernels(model: Transformer) -> None:
+    """Decode steps and prompts of every layer (but soft-capped ones, which model.py keeps) through
+    attention.cpp: cache_attention and, where a head is whole vectors of 16 features, prompt_attention."""
     register_fake()
     for layer in model.layers:
-        if layer.attention.softcap is None:
-            layer.attention.attend_cache = cache_attention
+        a = layer.attention
+        if a.softcap is None:
+            a.attend_cache = cache_attention
+            if a.head_dim % 16 == 0:
+                a.attend_prompt = prompt_attention
 
 
 def replace_linear(module: nn.Module, name: str, isa: str) -> None:

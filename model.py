@@ -374,6 +374,9 @@ class Attention(nn.Module):
         # A kernel for decode steps that reads the KV cache in place, attached from outside (kernels.py):
         # f(q [B, n_kv, rows, hd], k_cache, v_cache, cache_rows, mask, scale) -> y like q.
         self.attend_cache: Optional[Callable] = None
+        # And one for a prompt from position 0 (causal within it): f(q [B, nh, T, hd], k, v [B, n_kv,
+        # T, hd], scale) -> y [B, T, nh * hd].
+        self.attend_prompt: Optional[Callable] = None
         self.scale = config.attention_scale or config.head_dim ** -0.5
         self.softcap = config.attn_logit_softcap
         self.use_rope = layer_id not in (config.no_rope_layers or ())
@@ -405,6 +408,8 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
         self.kv_cache.update(input_pos, k, v, cache_rows)
         if mask is None:
+            if self.attend_prompt is not None:
+                return self.wo(self.attend_prompt(q, k, v, self.scale))
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                enable_gqa=k.shape[1] != q.shape[1])
             return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))

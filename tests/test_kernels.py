@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -496,8 +497,8 @@ def test_cache_attention_over_sliding_windows(cache_dtype, per_sequence):
                                                    ("head_dim", None), ("llama31", torch.bfloat16),
                                                    ("gemma3", torch.bfloat16)])
 def test_cache_attention_in_the_model(family, kv_cache_dtype, tmp_path):
-    """A packed model's decode steps on the kernel against the same model on model.py's own
-    attention: logits of every step, and the engine's ragged batch (per-row positions, cache rows;
+    """A packed model's prompt and decode steps on the kernels against the same model on model.py's
+    own attention: logits of the prompt and of every step, and the engine's ragged batch (per-row positions, cache rows;
     the sliding windows and local RoPE of mistral / gemma3; head_dim 24 and 32) token for token;
     also with a bf16 cache under fp32 activations, which model.py's attention reads cast to fp32."""
     from decode import generate
@@ -507,10 +508,13 @@ def test_cache_attention_in_the_model(family, kv_cache_dtype, tmp_path):
     model.kv_cache_dtype = kv_cache_dtype
     attention = [layer.attention for layer in model.layers]
     assert all(a.attend_cache is kernels.cache_attention for a in attention)
+    whole_vectors = attention[0].head_dim % 16 == 0  # prompt_attention's condition
+    assert all(a.attend_prompt is (kernels.prompt_attention if whole_vectors else None) for a in attention)
 
     def model_py_attention(on: bool):
         for a in attention:
             a.attend_cache = None if on else kernels.cache_attention
+            a.attend_prompt = None if on or not whole_vectors else kernels.prompt_attention
 
     ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(3))
     steps = []
@@ -518,8 +522,8 @@ def test_cache_attention_in_the_model(family, kv_cache_dtype, tmp_path):
         model_py_attention(on)
         model.setup_caches(max_batch_size=1, max_seq_length=80)
         with torch.no_grad():
-            model(ids[:, :20], torch.arange(20))
-            steps.append(torch.cat([model(ids[:, t:t + 1], torch.tensor([t])) for t in range(20, 60)]))
+            prompt = model(ids[:, :20], torch.arange(20), from_start=True)  # as prefill runs it
+            steps.append(torch.cat([prompt[0]] + [model(ids[:, t:t + 1], torch.tensor([t]))[0] for t in range(20, 60)]))
     assert attention[0].kv_cache.k_cache.dtype == (kv_cache_dtype or torch.float32)
     torch.testing.assert_close(steps[1], steps[0], rtol=1e-4, atol=1e-4)
 
@@ -535,6 +539,25 @@ def test_cache_attention_in_the_model(family, kv_cache_dtype, tmp_path):
     model_py_attention(False)
     results = Engine(model, Ids(), max_batch_size=3, max_seq_length=200).generate([Request(p, 12) for p in prompts])
     assert [r.token_ids for r in results] == alone
+
+
+@needs_cache_attention
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,H,KV,D", [(1, 9, 3, 64), (2, 4, 4, 16), (1, 8, 2, 128), (1, 4, 1, 256), (2, 6, 2, 80)])
+@pytest.mark.parametrize("T", [1, 31, 33, 64, 130])
+def test_prompt_attention_equals_float64_reference(dtype, B, H, KV, D, T):
+    """attention.cpp's prompt attention (causal, from position 0): GQA groups of 1-4 heads, feature
+    counts of 1 to 16 vectors (80: a tile of 4 vectors and one of 1), prompts shorter than a block
+    and across blocks of queries (32) and keys (64), inputs as the model hands them (views of
+    [B, T, heads, D] transposed), against SDPA's causal attention in float64."""
+    torch.manual_seed(B * 1000 + D + T)
+    q, k, v = (torch.randn(B, T, n, D).to(dtype).transpose(1, 2) for n in (H, KV, KV))
+    got = kernels.prompt_attention(q, k, v, D ** -0.5)
+    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, scale=D ** -0.5,
+                                              enable_gqa=True).transpose(1, 2).reshape(B, T, H * D)
+    assert got.dtype == dtype and got.shape == (B, T, H * D)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.double(), expected, **tol)
 
 
 def test_casting_a_checkpoint_never_holds_both_copies(tmp_path):
