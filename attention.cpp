@@ -217,13 +217,13 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   });
   // Merge the chunks of each head: rescale each by exp(its max - the overall max).
   auto out = torch::empty({B, H, R, D}, q.options());
-  auto out_f = q.scalar_type() == torch::kFloat ? out : torch::empty({B, H, R, D}, q.options().dtype(torch::kFloat));
-  float* op = out_f.data_ptr<float>();
+  bool out_bf16 = q.scalar_type() == torch::kBFloat16;  // rounded from an fp32 row, no fp32 tensor to copy
+  std::vector<float> row(out_bf16 ? D : 0);
   for (int64_t bh = 0; bh < B * H; bh++) {
     for (int64_t r = 0; r < R; r++) {
       float m = -std::numeric_limits<float>::infinity(), total = 0.f;
       for (int64_t c = 0; c < chunks; c++) m = std::max(m, parts[bh * chunks + c].max[r]);
-      float* o = op + (bh * R + r) * D;
+      float* o = out_bf16 ? row.data() : out.data_ptr<float>() + (bh * R + r) * D;
       std::fill(o, o + D, 0.f);
       for (int64_t c = 0; c < chunks; c++) {
         const Partial& p = parts[bh * chunks + c];
@@ -234,9 +234,9 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
         for (int64_t d = 0; d < D; d++) o[d] += w * a[d];
       }
       for (int64_t d = 0; d < D; d++) o[d] /= total;
+      if (out_bf16) std::copy(o, o + D, out.data_ptr<at::BFloat16>() + (bh * R + r) * D);
     }
   }
-  if (out_f.data_ptr() != out.data_ptr()) out.copy_(out_f);
   return out;
 }
 
