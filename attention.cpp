@@ -240,7 +240,6 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   return out;
 }
 
-
 // ---- A prompt's attention from position 0 (prefill): causal, over the prompt's own keys ----
 // Flash attention's loop: per block of QBLOCK positions and key/value head, the query rows of all
 // the heads that share it (GQA) meet the key blocks up to the diagonal and no further, keeping a
