@@ -275,7 +275,8 @@ AVX512 void value_tile(const float* p, int64_t n, const float* v, int64_t ldv, c
                        int64_t D) {
   __m512 acc[ROWS][VECS];
   for (int r = 0; r < ROWS; r++)
-    for (int j = 0; j < VECS; j++) acc[r][j] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * j), _mm512_set1_ps(alpha[r]));
+    for (int j = 0; j < VECS; j++)
+      acc[r][j] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * j), _mm512_set1_ps(alpha[r]));
   for (int64_t i = 0; i < n; i++) {
     __m512 vv[VECS];
     for (int j = 0; j < VECS; j++) vv[j] = _mm512_loadu_ps(v + i * ldv + 16 * j);
@@ -297,7 +298,8 @@ void with_tile_rows(int64_t rows, F&& f) {  // f(std::integral_constant<int, row
 }
 
 template <int R>
-AVX512 void value_rows(const float* p, int64_t n, const float* v, int64_t ldv, const float* alpha, float* o, int64_t D) {
+AVX512 void value_rows(const float* p, int64_t n, const float* v, int64_t ldv, const float* alpha, float* o,
+                       int64_t D) {
   int64_t c = 0;  // 4 vectors of features at a time, then the rest (D is a multiple of 16)
   for (; c + 64 <= D; c += 64) value_tile<R, 4>(p, n, v + c, ldv, alpha, o + c, D);
   switch ((D - c) / 16) {
@@ -361,7 +363,8 @@ AVX512 void attend_prompt_block(const torch::Tensor& q, const torch::Tensor& v, 
       vb = vsrc, ldv = v.stride(2);
     } else {
       for (int64_t i = 0; i < n; i++)
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(w.v.data() + i * D + d, load16(vsrc + i * v.stride(2) + d, 16));
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_storeu_ps(w.v.data() + i * D + d, load16(vsrc + i * v.stride(2) + d, 16));
       vb = w.v.data(), ldv = D;
     }
     for (int64_t r = 0; r < R; r += TILE_ROWS)

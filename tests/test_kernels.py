@@ -498,9 +498,10 @@ def test_cache_attention_over_sliding_windows(cache_dtype, per_sequence):
                                                    ("gemma3", torch.bfloat16)])
 def test_cache_attention_in_the_model(family, kv_cache_dtype, tmp_path):
     """A packed model's prompt and decode steps on the kernels against the same model on model.py's
-    own attention: logits of the prompt and of every step, and the engine's ragged batch (per-row positions, cache rows;
-    the sliding windows and local RoPE of mistral / gemma3; head_dim 24 and 32) token for token;
-    also with a bf16 cache under fp32 activations, which model.py's attention reads cast to fp32."""
+    own attention: logits of the prompt and of every step, and the engine's ragged batch (per-row
+    positions, cache rows; the sliding windows and local RoPE of mistral / gemma3; head_dim 24, which
+    keeps SDPA for prompts, and 32) token for token; also with a bf16 cache under fp32 activations,
+    which model.py's attention reads cast to fp32."""
     from decode import generate
     from engine import Engine, Request
     model = kernels.pack_for_cpu(load_model(save_and_convert(make_hf_model(family, max_position_embeddings=384),
