@@ -317,37 +317,75 @@ struct PromptScratch {
       : q(rows * D), o(rows * D), s(rows * KBLOCK), top(rows), sum(rows), alpha(rows), v(KBLOCK * D) {}
 };
 
-// The query rows of positions [t0, t0 + m) of the rep heads that share key/value head g of sequence
-// b, against keys [0, t0 + m): kt [D, Tp] is that head's keys transposed; writes y's rows.
+// 64 bits of n <= 64 (the first n set).
+inline uint64_t first64(int64_t n) { return n <= 0 ? 0 : n >= 64 ? ~uint64_t(0) : (uint64_t(1) << n) - 1; }
+
+// A prompt's block (attend_prompt): row r is head r / m of the group, position t0 + r % m, and sees
+// keys [0, t0 + r % m]; q [.., H, T, D] and y [B, T, H * D] of one sequence and group.
 template <class E>
-AVX512 void attend_prompt_block(const torch::Tensor& q, const torch::Tensor& v, const float* kt, int64_t Tp,
-                                int64_t b, int64_t g, int64_t t0, int64_t m, float scale, PromptScratch& w,
-                                E* y) {
-  const int64_t H = q.size(1), T = q.size(2), D = q.size(3), rep = H / v.size(1), R = rep * m;
-  const E* qp = q.data_ptr<E>();
-  for (int64_t r = 0; r < R; r++) {  // row r: head g * rep + r / m, position t0 + r % m
-    const E* src = qp + b * q.stride(0) + (g * rep + r / m) * q.stride(1) + (t0 + r % m) * q.stride(2);
+struct CausalRows {
+  const E* q;
+  int64_t q_head, q_pos;  // q's strides
+  E* y;
+  int64_t y_pos, D, t0, m;
+  const E* query(int64_t r) const { return q + r / m * q_head + (t0 + r % m) * q_pos; }
+  E* out(int64_t r) const { return y + (t0 + r % m) * y_pos + r / m * D; }
+  int64_t begin() const { return 0; }
+  int64_t end() const { return t0 + m; }
+  AVX512 uint64_t visible(int64_t r, int64_t n0, int64_t n) const {
+    return first64(std::min(n, t0 + r % m - n0 + 1));
+  }
+};
+
+// A block of decode_attention's query rows past MAX_ROWS (a prompt's chunk at any position, the
+// engine's ragged prompts): rows contiguous in q and y, each with its mask row of S positions;
+// [first, last) bounds every row's visible positions.
+template <class E>
+struct MaskedRows {
+  const E* q;
+  E* y;
+  const bool* mask;
+  int64_t D, S, first, last;
+  const E* query(int64_t r) const { return q + r * D; }
+  E* out(int64_t r) const { return y + r * D; }
+  int64_t begin() const { return first; }
+  int64_t end() const { return last; }
+  AVX512 uint64_t visible(int64_t r, int64_t n0, int64_t n) const {
+    __m512i bytes = _mm512_maskz_loadu_epi8(first64(n), mask + r * S + n0);
+    return _mm512_test_epi8_mask(bytes, bytes);
+  }
+};
+
+// R query rows (Rows: where each is, which keys it sees) against the keys of one sequence and
+// key/value head: kt [D, ld] transposed keys in fp32 (ld covers the rows' keys rounded up to
+// KBLOCK), v [keys, D] value rows (row stride ldv). Writes each row's output.
+template <class C, class Rows>
+AVX512 void attend_block(const Rows& rows, int64_t R, int64_t D, const float* kt, int64_t ld, const C* v,
+                         int64_t ldv, float scale, PromptScratch& w) {
+  for (int64_t r = 0; r < R; r++) {
+    const auto* src = rows.query(r);
     for (int64_t d = 0; d < D; d++) w.q[r * D + d] = static_cast<float>(src[d]) * scale;
   }
   const float minus_inf = -std::numeric_limits<float>::infinity();
   std::fill(w.o.begin(), w.o.begin() + R * D, 0.f);
   std::fill(w.top.begin(), w.top.begin() + R, minus_inf);
   std::fill(w.sum.begin(), w.sum.begin() + R, 0.f);
-  for (int64_t n0 = 0; n0 < t0 + m; n0 += KBLOCK) {
-    const int64_t n = std::min(KBLOCK, t0 + m - n0);  // keys any row of the block sees
+  for (int64_t n0 = rows.begin() / KBLOCK * KBLOCK; n0 < rows.end(); n0 += KBLOCK) {
+    const int64_t n = std::min(KBLOCK, rows.end() - n0);  // keys any row of the block sees
     for (int64_t r = 0; r < R; r += TILE_ROWS)
-      with_tile_rows(std::min<int64_t>(TILE_ROWS, R - r), [&](auto rows) {
-        score_tile<decltype(rows)::value>(w.q.data() + r * D, D, kt + n0, Tp, w.s.data() + r * KBLOCK);
+      with_tile_rows(std::min<int64_t>(TILE_ROWS, R - r), [&](auto tile) {
+        score_tile<decltype(tile)::value>(w.q.data() + r * D, D, kt + n0, ld, w.s.data() + r * KBLOCK);
       });
-    for (int64_t r = 0; r < R; r++) {  // row r sees keys up to its own position: -inf past it
+    for (int64_t r = 0; r < R; r++) {  // -inf where row r does not see the key
       float* row = w.s.data() + r * KBLOCK;
-      int64_t seen = std::min(n, t0 + r % m - n0 + 1);  // >= 1: n0 <= t0
+      uint64_t seen = rows.visible(r, n0, n);
       __m512 sc[4], mx = _mm512_set1_ps(minus_inf);
-      for (int j = 0; j < 4; j++) sc[j] = _mm512_mask_blend_ps(first(seen - 16 * j), mx, _mm512_loadu_ps(row + 16 * j));
+      for (int j = 0; j < 4; j++) sc[j] = _mm512_mask_blend_ps(__mmask16(seen >> (16 * j)), mx, _mm512_loadu_ps(row + 16 * j));
       float block_top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(sc[0], sc[1]), _mm512_max_ps(sc[2], sc[3])));
-      float new_top = std::max(w.top[r], block_top);  // finite: the row sees key n0 at least
-      w.alpha[r] = std::exp(w.top[r] - new_top);      // 0 at the first block (top -inf)
-      __m512 total = _mm512_setzero_ps(), nt = _mm512_set1_ps(new_top);
+      float new_top = std::max(w.top[r], block_top);
+      // Nothing seen yet: no exponentials, nothing to rescale (0 at the first seen block: top -inf).
+      w.alpha[r] = new_top == minus_inf ? 1.f : std::exp(w.top[r] - new_top);
+      __m512 total = _mm512_setzero_ps(), nt = _mm512_set1_ps(new_top == minus_inf ? 0.f : new_top);
       for (int j = 0; j < 4; j++) {
         __m512 e = exp16(_mm512_sub_ps(sc[j], nt));
         _mm512_storeu_ps(row + 16 * j, e);
@@ -356,59 +394,104 @@ AVX512 void attend_prompt_block(const torch::Tensor& q, const torch::Tensor& v, 
       w.sum[r] = w.sum[r] * w.alpha[r] + _mm512_reduce_add_ps(total);
       w.top[r] = new_top;
     }
-    const E* vsrc = v.data_ptr<E>() + b * v.stride(0) + g * v.stride(1) + n0 * v.stride(2);
+    const C* vsrc = v + n0 * ldv;
     const float* vb;
-    int64_t ldv;
-    if constexpr (std::is_same_v<E, float>) {
-      vb = vsrc, ldv = v.stride(2);
+    int64_t ldf;
+    if constexpr (std::is_same_v<C, float>) {
+      vb = vsrc, ldf = ldv;
     } else {
       for (int64_t i = 0; i < n; i++)
-        for (int64_t d = 0; d < D; d += 16)
-          _mm512_storeu_ps(w.v.data() + i * D + d, load16(vsrc + i * v.stride(2) + d, 16));
-      vb = w.v.data(), ldv = D;
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(w.v.data() + i * D + d, load16(vsrc + i * ldv + d, 16));
+      vb = w.v.data(), ldf = D;
     }
     for (int64_t r = 0; r < R; r += TILE_ROWS)
-      with_tile_rows(std::min<int64_t>(TILE_ROWS, R - r), [&](auto rows) {
-        value_rows<decltype(rows)::value>(w.s.data() + r * KBLOCK, n, vb, ldv, w.alpha.data() + r,
-                                          w.o.data() + r * D, D);
+      with_tile_rows(std::min<int64_t>(TILE_ROWS, R - r), [&](auto tile) {
+        value_rows<decltype(tile)::value>(w.s.data() + r * KBLOCK, n, vb, ldf, w.alpha.data() + r, w.o.data() + r * D,
+                                          D);
       });
   }
   for (int64_t r = 0; r < R; r++) {
-    E* dst = y + (b * T + t0 + r % m) * H * D + (g * rep + r / m) * D;
+    auto* dst = rows.out(r);
     float inv = 1.f / w.sum[r];
-    for (int64_t d = 0; d < D; d++) dst[d] = static_cast<E>(w.o[r * D + d] * inv);
+    for (int64_t d = 0; d < D; d++) dst[d] = static_cast<std::remove_pointer_t<decltype(dst)>>(w.o[r * D + d] * inv);
   }
+}
+
+// keys [0, n) of k [n, D] (row stride ld_k) -> kt [D, ld] fp32, zeros past n.
+template <class C>
+void transpose_keys(const C* k, int64_t ld_k, int64_t n, int64_t D, int64_t ld, float* kt) {
+  for (int64_t t = 0; t < ld; t++)
+    for (int64_t d = 0; d < D; d++) kt[d * ld + t] = t < n ? static_cast<float>(k[t * ld_k + d]) : 0.f;
 }
 
 // y [B, T, H * D] = causal attention of q [B, H, T, D] over k, v [B, KV, T, D].
 template <class E>
 void attend_prompt(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, float scale,
                    torch::Tensor& y) {
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), KV = k.size(1);
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), KV = k.size(1), rep = H / KV;
   const int64_t Tp = (T + KBLOCK - 1) / KBLOCK * KBLOCK, blocks = (T + QBLOCK - 1) / QBLOCK;
   const E* kp = k.data_ptr<E>();
   // Keys transposed per head, fp32, zero past T (masked scores: zeros keep them finite).
   std::vector<float> kt(B * KV * D * Tp);
   at::parallel_for(0, B * KV, 1, [&](int64_t h0, int64_t h1) {
-    for (int64_t bh = h0; bh < h1; bh++) {
-      const E* src = kp + bh / KV * k.stride(0) + bh % KV * k.stride(1);
-      float* dst = kt.data() + bh * D * Tp;
-      for (int64_t t = 0; t < Tp; t++)
-        for (int64_t d = 0; d < D; d++) dst[d * Tp + t] = t < T ? static_cast<float>(src[t * k.stride(2) + d]) : 0.f;
-    }
+    for (int64_t bh = h0; bh < h1; bh++)
+      transpose_keys(kp + bh / KV * k.stride(0) + bh % KV * k.stride(1), k.stride(2), T, D, Tp, kt.data() + bh * D * Tp);
   });
   // Work items: (sequence, key/value head, block of positions), a head's blocks in the order first,
   // last, second, second to last...: a thread's contiguous share of them costs about the same as
   // another's, where a later block meets more keys.
   at::parallel_for(0, B * KV * blocks, 1, [&](int64_t i0, int64_t i1) {
-    PromptScratch w(H / KV * QBLOCK, D);
+    PromptScratch w(rep * QBLOCK, D);
     for (int64_t item = i0; item < i1; item++) {
-      int64_t bh = item / blocks, z = item % blocks;
-      int64_t block = z % 2 == 0 ? z / 2 : blocks - 1 - z / 2, t0 = block * QBLOCK;
-      attend_prompt_block<E>(q, v, kt.data() + bh * D * Tp, Tp, bh / KV, bh % KV, t0, std::min(QBLOCK, T - t0),
-                             scale, w, y.data_ptr<E>());
+      int64_t bh = item / blocks, z = item % blocks, b = bh / KV, g = bh % KV;
+      int64_t block = z % 2 == 0 ? z / 2 : blocks - 1 - z / 2, t0 = block * QBLOCK, m = std::min(QBLOCK, T - t0);
+      CausalRows<E> rows{q.data_ptr<E>() + b * q.stride(0) + g * rep * q.stride(1), q.stride(1), q.stride(2),
+                         y.data_ptr<E>() + b * T * H * D + g * rep * D, H * D, D, t0, m};
+      attend_block(rows, rep * m, D, kt.data() + bh * D * Tp, Tp, v.data_ptr<E>() + b * v.stride(0) + g * v.stride(1),
+                   v.stride(2), scale, w);
     }
   });
+}
+
+// decode_attention for more than MAX_ROWS query rows per head (a prompt's chunk past position 0,
+// the engine's ragged prompts): blocks of QBLOCK rows in attend_block's tiles, each block reading
+// the positions from the first any of its rows sees to the last (from the mask rows).
+template <class E, class C>
+torch::Tensor attend_many(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                          const int64_t* rows, const torch::Tensor& mask, float scale) {
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = mask.size(-1);
+  const int64_t cache_S = k_cache.size(2), Sp = (S + KBLOCK - 1) / KBLOCK * KBLOCK, blocks = (R + QBLOCK - 1) / QBLOCK;
+  const bool per_row = mask.dim() == 4;
+  const bool* mp = mask.data_ptr<bool>();
+  auto out = torch::empty({B, H, R, D}, q.options());
+  std::vector<float> kt(B * H * D * Sp);
+  at::parallel_for(0, B * H, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t bh = h0; bh < h1; bh++) {
+      int64_t row = rows ? rows[bh / H] : bh / H;
+      transpose_keys(k_cache.data_ptr<C>() + (row * H + bh % H) * cache_S * D, D, S, D, Sp, kt.data() + bh * D * Sp);
+    }
+  });
+  at::parallel_for(0, B * H * blocks, 1, [&](int64_t i0, int64_t i1) {
+    PromptScratch w(QBLOCK, D);
+    for (int64_t item = i0; item < i1; item++) {
+      int64_t bh = item / blocks, z = item % blocks, b = bh / H, h = bh % H;
+      int64_t block = z % 2 == 0 ? z / 2 : blocks - 1 - z / 2, r0 = block * QBLOCK, m = std::min(QBLOCK, R - r0);
+      const bool* vis = mp + (per_row ? b * R * S : 0) + r0 * S;
+      int64_t first = S, last = 0;  // the positions any row of the block sees
+      for (int64_t r = 0; r < m; r++) {
+        const bool* v = vis + r * S;
+        int64_t f = std::find(v, v + S, true) - v, l = S;
+        while (l > f && !v[l - 1]) l--;
+        if (f < l) first = std::min(first, f), last = std::max(last, l);
+      }
+      MaskedRows<E> block_rows{q.data_ptr<E>() + (bh * R + r0) * D, out.data_ptr<E>() + (bh * R + r0) * D, vis, D, S,
+                               std::min(first, last), last};
+      int64_t row = rows ? rows[b] : b;
+      attend_block(block_rows, m, D, kt.data() + bh * D * Sp, Sp, v_cache.data_ptr<C>() + (row * H + h) * cache_S * D,
+                   D, scale, w);
+    }
+  });
+  return out;
 }
 
 }  // namespace
@@ -418,9 +501,9 @@ bool attention_supported() {  // kernels.py asks before attaching the kernel
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
 
-// q [B, H, R, D]: R query rows per key/value head; k_cache, v_cache [rows, H, S', D]; rows [B]: the
-// cache row of each sequence (None: 0..B-1); mask [R, S] or [B, 1, R, S], true where a query row
-// sees a position (S <= S'). Returns softmax(q k^T * scale, masked) v, [B, H, R, D] in q's dtype.
+// q [B, H, R, D]: R query rows per key/value head (past MAX_ROWS: attend_many, D a multiple of 16);
+// k_cache, v_cache [rows, H, S', D]; rows [B]: the cache row of each sequence (None: 0..B-1); mask
+// [R, S] or [B, 1, R, S], true where a query row sees a position (S <= S'). Returns softmax(q k^T * scale, masked) v, [B, H, R, D] in q's dtype.
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                const c10::optional<torch::Tensor>& rows, const torch::Tensor& mask, double scale) {
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
@@ -432,8 +515,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && is_f32_or_bf16(k_cache) && is_f32_or_bf16(q),
               "decode_attention: q float32 or bfloat16, both caches in one of those");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous caches");
-  TORCH_CHECK(q.size(2) <= MAX_ROWS && q.size(3) <= 256, "decode_attention: at most ", MAX_ROWS,
-              " query rows per head and 256 features");
+  TORCH_CHECK(q.size(3) <= 256 && (q.size(2) <= MAX_ROWS || q.size(3) % 16 == 0),
+              "decode_attention: at most 256 features, a multiple of 16 for more than ", MAX_ROWS, " query rows per head");
   int64_t B = q.size(0), R = q.size(2), S = mask.size(-1);
   TORCH_CHECK(mask.scalar_type() == torch::kBool && S <= k_cache.size(2) &&
                   (mask.dim() == 2 ? mask.size(0) == R : mask.dim() == 4 && mask.size(0) == B && mask.size(2) == R),
@@ -452,7 +535,15 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   auto qc = q.contiguous();
   const int64_t* rp = rows.has_value() ? row_ids.data_ptr<int64_t>() : nullptr;
   // The query rows are read into fp32 whatever their dtype; the caches' dtype picks the loads.
-  if (k_cache.scalar_type() == torch::kFloat) return attend<float>(qc, k_cache, v_cache, rp, m, scale);
+  bool cache_f32 = k_cache.scalar_type() == torch::kFloat;
+  if (R > MAX_ROWS) {
+    if (qc.scalar_type() == torch::kFloat)
+      return cache_f32 ? attend_many<float, float>(qc, k_cache, v_cache, rp, m, scale)
+                       : attend_many<float, at::BFloat16>(qc, k_cache, v_cache, rp, m, scale);
+    return cache_f32 ? attend_many<at::BFloat16, float>(qc, k_cache, v_cache, rp, m, scale)
+                     : attend_many<at::BFloat16, at::BFloat16>(qc, k_cache, v_cache, rp, m, scale);
+  }
+  if (cache_f32) return attend<float>(qc, k_cache, v_cache, rp, m, scale);
   return attend<at::BFloat16>(qc, k_cache, v_cache, rp, m, scale);
 }
 

@@ -418,7 +418,10 @@ class Attention(nn.Module):
         # contexts (README, How it works).
         rep = self.n_head // self.n_local_heads
         q = q.reshape(B, self.n_local_heads, rep * T, self.head_dim)
-        if T == 1 and self.attend_cache is not None:
+        # The cache kernel (kernels.py) takes decode steps, and eager prompt chunks past position 0
+        # where the prompt kernel's tiles fit the head (attend_prompt attached).
+        many = self.attend_prompt is not None and not torch.compiler.is_compiling()
+        if self.attend_cache is not None and (T == 1 or many):
             y = self.attend_cache(q, self.kv_cache.k_cache, self.kv_cache.v_cache, cache_rows, mask, self.scale)
         else:
             k, v = self.kv_cache.read(B, cache_rows, mask.shape[-1])  # (B, n_kv, S, hd)

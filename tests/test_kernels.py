@@ -446,13 +446,15 @@ def attention_reference(q, k_cache, v_cache, rows, mask, scale):
 @needs_cache_attention
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                (torch.float32, torch.bfloat16)])
-@pytest.mark.parametrize("B,H,R,D", [(1, 3, 3, 64), (1, 1, 1, 12), (2, 2, 4, 24), (3, 8, 4, 128), (1, 2, 16, 256)])
+@pytest.mark.parametrize("B,H,R,D", [(1, 3, 3, 64), (1, 1, 1, 12), (2, 2, 4, 24), (3, 8, 4, 128), (1, 2, 16, 256),
+                                     (2, 3, 40, 64), (1, 2, 100, 80)])
 @pytest.mark.parametrize("S", [1, 17, 64, 300])
 def test_cache_attention_equals_float64_reference(dtype, cache_dtype, B, H, R, D, S):
     """attention.cpp's decode attention: one mask for all sequences or one each, cache rows picked
     out of a larger cache, positions past the mask's length (stale values) never read, contexts
-    shorter than the cache, and lengths that split into several chunks per head; fp32 query rows over a bf16 cache too
-    (--kv_cache_dtype bfloat16), exact to fp32 arithmetic on the cache's values."""
+    shorter than the cache, and lengths that split into several chunks per head; fp32 query rows
+    over a bf16 cache too (--kv_cache_dtype bfloat16), exact to fp32 arithmetic on the cache's
+    values; more than 16 rows a head (40, 100: a prompt's chunk) through the tiled path."""
     torch.manual_seed(B * 1000 + D + S)
     rows_total, cache_S = B + 2, S + 5
     k_cache = torch.randn(rows_total, H, cache_S, D).to(cache_dtype)
@@ -499,9 +501,9 @@ def test_cache_attention_over_sliding_windows(cache_dtype, per_sequence):
 def test_cache_attention_in_the_model(family, kv_cache_dtype, tmp_path):
     """A packed model's prompt and decode steps on the kernels against the same model on model.py's
     own attention: logits of the prompt and of every step, and the engine's ragged batch (per-row
-    positions, cache rows; the sliding windows and local RoPE of mistral / gemma3; head_dim 24, which
-    keeps SDPA for prompts, and 32) token for token; also with a bf16 cache under fp32 activations,
-    which model.py's attention reads cast to fp32."""
+    positions, cache rows, prompts in chunks; the sliding windows and local RoPE of mistral / gemma3;
+    head_dim 24, which keeps SDPA for prompts, and 32) token for token; also with a bf16 cache under
+    fp32 activations, which model.py's attention reads cast to fp32."""
     from decode import generate
     from engine import Engine, Request
     model = kernels.pack_for_cpu(load_model(save_and_convert(make_hf_model(family, max_position_embeddings=384),
@@ -538,8 +540,12 @@ def test_cache_attention_in_the_model(family, kv_cache_dtype, tmp_path):
     model_py_attention(True)
     alone = [generate(model, torch.tensor(p), 12)[0, len(p):].tolist() for p in prompts]
     model_py_attention(False)
-    results = Engine(model, Ids(), max_batch_size=3, max_seq_length=200).generate([Request(p, 12) for p in prompts])
-    assert [r.token_ids for r in results] == alone
+    # Whole prompts from position 0 (the prompt kernel), and chunks of 24 tokens: later chunks and
+    # ragged groups read the cache through the cache kernel's tiled rows.
+    for chunk in (512, 24):
+        engine = Engine(model, Ids(), max_batch_size=3, max_seq_length=200, prefill_chunk=chunk)
+        results = engine.generate([Request(p, 12) for p in prompts])
+        assert [r.token_ids for r in results] == alone
 
 
 @needs_cache_attention
