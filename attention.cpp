@@ -311,9 +311,9 @@ AVX512 void value_rows(const float* p, int64_t n, const float* v, int64_t ldv, c
 
 // Scratch of one thread: rows [R, D] of queries (scaled), their sums of p v, scores [R, KBLOCK],
 // running maxima, sums and rescalings [R], and a block of values in fp32 [KBLOCK, D].
-struct PromptScratch {
+struct BlockScratch {
   std::vector<float> q, o, s, top, sum, alpha, v;
-  PromptScratch(int64_t rows, int64_t D)
+  BlockScratch(int64_t rows, int64_t D)
       : q(rows * D), o(rows * D), s(rows * KBLOCK), top(rows), sum(rows), alpha(rows), v(KBLOCK * D) {}
 };
 
@@ -361,7 +361,7 @@ struct MaskedRows {
 // KBLOCK), v [keys, D] value rows (row stride ldv). Writes each row's output.
 template <class C, class Rows>
 AVX512 void attend_block(const Rows& rows, int64_t R, int64_t D, const float* kt, int64_t ld, const C* v,
-                         int64_t ldv, float scale, PromptScratch& w) {
+                         int64_t ldv, float scale, BlockScratch& w) {
   for (int64_t r = 0; r < R; r++) {
     const auto* src = rows.query(r);
     for (int64_t d = 0; d < D; d++) w.q[r * D + d] = static_cast<float>(src[d]) * scale;
@@ -417,6 +417,11 @@ AVX512 void attend_block(const Rows& rows, int64_t R, int64_t D, const float* kt
   }
 }
 
+// The z-th block of a head's `blocks` in the order first, last, second, second to last...: a
+// thread's contiguous share of the work items costs about the same as another's, where a later
+// block of a causal prompt meets more keys.
+inline int64_t zigzag(int64_t z, int64_t blocks) { return z % 2 == 0 ? z / 2 : blocks - 1 - z / 2; }
+
 // keys [0, n) of k [n, D] (row stride ld_k) -> kt [D, ld] fp32, zeros past n.
 template <class C>
 void transpose_keys(const C* k, int64_t ld_k, int64_t n, int64_t D, int64_t ld, float* kt) {
@@ -437,14 +442,12 @@ void attend_prompt(const torch::Tensor& q, const torch::Tensor& k, const torch::
     for (int64_t bh = h0; bh < h1; bh++)
       transpose_keys(kp + bh / KV * k.stride(0) + bh % KV * k.stride(1), k.stride(2), T, D, Tp, kt.data() + bh * D * Tp);
   });
-  // Work items: (sequence, key/value head, block of positions), a head's blocks in the order first,
-  // last, second, second to last...: a thread's contiguous share of them costs about the same as
-  // another's, where a later block meets more keys.
+  // Work items: (sequence, key/value head, block of positions), the blocks in zigzag order.
   at::parallel_for(0, B * KV * blocks, 1, [&](int64_t i0, int64_t i1) {
-    PromptScratch w(rep * QBLOCK, D);
+    BlockScratch w(rep * QBLOCK, D);
     for (int64_t item = i0; item < i1; item++) {
       int64_t bh = item / blocks, z = item % blocks, b = bh / KV, g = bh % KV;
-      int64_t block = z % 2 == 0 ? z / 2 : blocks - 1 - z / 2, t0 = block * QBLOCK, m = std::min(QBLOCK, T - t0);
+      int64_t t0 = zigzag(z, blocks) * QBLOCK, m = std::min(QBLOCK, T - t0);
       CausalRows<E> rows{q.data_ptr<E>() + b * q.stride(0) + g * rep * q.stride(1), q.stride(1), q.stride(2),
                          y.data_ptr<E>() + b * T * H * D + g * rep * D, H * D, D, t0, m};
       attend_block(rows, rep * m, D, kt.data() + bh * D * Tp, Tp, v.data_ptr<E>() + b * v.stride(0) + g * v.stride(1),
@@ -472,10 +475,10 @@ torch::Tensor attend_many(const torch::Tensor& q, const torch::Tensor& k_cache, 
     }
   });
   at::parallel_for(0, B * H * blocks, 1, [&](int64_t i0, int64_t i1) {
-    PromptScratch w(QBLOCK, D);
+    BlockScratch w(QBLOCK, D);
     for (int64_t item = i0; item < i1; item++) {
       int64_t bh = item / blocks, z = item % blocks, b = bh / H, h = bh % H;
-      int64_t block = z % 2 == 0 ? z / 2 : blocks - 1 - z / 2, r0 = block * QBLOCK, m = std::min(QBLOCK, R - r0);
+      int64_t r0 = zigzag(z, blocks) * QBLOCK, m = std::min(QBLOCK, R - r0);
       const bool* vis = mp + (per_row ? b * R * S : 0) + r0 * S;
       int64_t first = S, last = 0;  // the positions any row of the block sees
       for (int64_t r = 0; r < m; r++) {

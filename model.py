@@ -420,8 +420,8 @@ class Attention(nn.Module):
         q = q.reshape(B, self.n_local_heads, rep * T, self.head_dim)
         # The cache kernel (kernels.py) takes decode steps, and eager prompt chunks past position 0
         # where the prompt kernel's tiles fit the head (attend_prompt attached).
-        many = self.attend_prompt is not None and not torch.compiler.is_compiling()
-        if self.attend_cache is not None and (T == 1 or many):
+        if self.attend_cache is not None and (T == 1 or self.attend_prompt is not None
+                                              and not torch.compiler.is_compiling()):
             y = self.attend_cache(q, self.kv_cache.k_cache, self.kv_cache.v_cache, cache_rows, mask, self.scale)
         else:
             k, v = self.kv_cache.read(B, cache_rows, mask.shape[-1])  # (B, n_kv, S, hd)
