@@ -27,6 +27,31 @@ namespace {
 constexpr int64_t MAX_ROWS = 16;  // query rows per key/value head (heads per group x tokens)
 constexpr int64_t MIN_CHUNK = 64;  // positions: fewer make the merge cost more than it saves
 
+// The positions a mask row of S shows, [first, last) from its first true to one past its last
+// (first == last: none), 64 at a time: a decode step's mask spans the whole cache (an engine's
+// slots of thousands of positions), of which a short sequence sees its first few.
+AVX512 inline void visible_span(const bool* v, int64_t S, int64_t& first, int64_t& last) {
+  first = last = S;
+  for (int64_t s = 0; s < S; s += 64) {
+    __m512i bytes = _mm512_maskz_loadu_epi8(S - s >= 64 ? ~uint64_t(0) : (uint64_t(1) << (S - s)) - 1, v + s);
+    uint64_t m = _mm512_test_epi8_mask(bytes, bytes);
+    if (m) {
+      first = s + __builtin_ctzll(m);
+      break;
+    }
+  }
+  for (int64_t e = S; e > first; e -= 64) {
+    int64_t s = std::max(first, e - 64), n = e - s;
+    __m512i bytes = _mm512_maskz_loadu_epi8(n >= 64 ? ~uint64_t(0) : (uint64_t(1) << n) - 1, v + s);
+    uint64_t m = _mm512_test_epi8_mask(bytes, bytes);
+    if (m) {
+      last = s + 64 - __builtin_clzll(m);
+      return;
+    }
+  }
+  last = first;
+}
+
 // 16 values of a cache vector as fp32, of which the first d are read (d <= 0: none; zeros past d).
 AVX512 inline __mmask16 first(int64_t d) {
   return d >= 16 ? (__mmask16)0xffff : d <= 0 ? (__mmask16)0 : (__mmask16)((1u << d) - 1);
@@ -169,18 +194,13 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   // so far (generate.py's holds the whole generation) costs nothing until it fills. Nor those
   // before the first one any row sees: a sliding window's layer reads its window, not the context.
   const bool* mp = mask.data_ptr<bool>();
-  int64_t seen = 0, rows_total = (per_row ? B : 1) * R;
+  int64_t seen = 0, begin = S, rows_total = (per_row ? B : 1) * R;
   for (int64_t i = 0; i < rows_total; i++) {
-    int64_t last = S;
-    while (last > seen && !mp[i * S + last - 1]) last--;
-    seen = std::max(seen, last);
+    int64_t first, last;
+    visible_span(mp + i * S, S, first, last);
+    if (first < last) begin = std::min(begin, first), seen = std::max(seen, last);
   }
-  int64_t begin = seen;
-  for (int64_t i = 0; i < rows_total; i++) {
-    int64_t first = 0;
-    while (first < begin && !mp[i * S + first]) first++;
-    begin = std::min(begin, first);
-  }
+  begin = std::min(begin, seen);
   int threads = at::get_num_threads();
   int64_t span = seen - begin;
   int64_t chunks = std::max<int64_t>(1, std::min((2 * threads + B * H - 1) / (B * H), span / MIN_CHUNK));
@@ -482,9 +502,8 @@ torch::Tensor attend_many(const torch::Tensor& q, const torch::Tensor& k_cache, 
       const bool* vis = mp + (per_row ? b * R * S : 0) + r0 * S;
       int64_t first = S, last = 0;  // the positions any row of the block sees
       for (int64_t r = 0; r < m; r++) {
-        const bool* v = vis + r * S;
-        int64_t f = std::find(v, v + S, true) - v, l = S;
-        while (l > f && !v[l - 1]) l--;
+        int64_t f, l;
+        visible_span(vis + r * S, S, f, l);
         if (f < l) first = std::min(first, f), last = std::max(last, l);
       }
       MaskedRows<E> block_rows{q.data_ptr<E>() + (bh * R + r0) * D, out.data_ptr<E>() + (bh * R + r0) * D, vis, D, S,

@@ -168,6 +168,10 @@ class Engine:
         self.rng = random.Random(seed)
         self.next_id = 0
         self.last_kv_len = 0  # the bucket of the last decode step (0: none yet; None: the whole cache)
+        # attention.cpp's kernel (every layer's attend_cache) reads only the positions its rows see,
+        # whatever the cache's length: buckets would only add compiled graphs, each a compile (tens
+        # of seconds on a first run) the first time a sequence grows past one.
+        self.kv_buckets = not all(layer.attention.attend_cache is not None for layer in model.layers)
 
     # -- what callers use ----------------------------------------------------------------------
 
@@ -348,7 +352,8 @@ class Engine:
             if active[i]:
                 tokens[i, 0] = s.next_token
         # Free slots' positions do not count: their garbage lands past the attention's bucket.
-        kv_len = kv_bucket(max(s.cached for s in self.slots if s is not None) + 1, self.max_seq_length)
+        kv_len = kv_bucket(max(s.cached for s in self.slots if s is not None) + 1, self.max_seq_length) \
+            if self.kv_buckets else None
         # The graph of the last step's bucket passed its guards; a new bucket must be looked up (or compiled).
         with skip_guards(kv_len == self.last_kv_len):
             logits = self.decode_fn(self.model, tokens.to(self.device), pos.to(self.device), kv_len)

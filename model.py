@@ -372,7 +372,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
         # A kernel for decode steps that reads the KV cache in place, attached from outside (kernels.py):
-        # f(q [B, n_kv, rows, hd], k_cache, v_cache, cache_rows, mask, scale) -> y like q.
+        # f(q [B, n_kv, rows, hd], k_cache, v_cache, cache_rows, mask, scale) -> y like q, reading only
+        # the positions from the first any row sees to the last.
         self.attend_cache: Optional[Callable] = None
         # And one for a prompt from position 0 (causal within it): f(q [B, nh, T, hd], k, v [B, n_kv,
         # T, hd], scale) -> y [B, T, nh * hd].

@@ -475,6 +475,33 @@ def test_cache_attention_equals_float64_reference(dtype, cache_dtype, B, H, R, D
 
 
 @needs_cache_attention
+@pytest.mark.parametrize("R", [3, 40])
+def test_cache_attention_reads_the_visible_span(R):
+    """Each row sees one stretch of a long mask (an engine's slot of 1000 positions, of which a
+    sequence sees a few), starting and ending on either side of the kernel's 64-position scan
+    blocks, one row seeing nothing (its output is not compared: softmax over nothing): a span cut
+    short by one position at either end drops a position some row sees. The cache outside every
+    row's stretch is NaN (never added in)."""
+    torch.manual_seed(R)
+    B, H, D, S = 3, 2, 64, 1000
+    bounds = [(0, 1), (63, 64), (64, 129), (5, 999), (130, 1000), (700, 700)]
+    starts = torch.tensor([bounds[(b + r) % len(bounds)][0] for b in range(B) for r in range(R)]).view(B, 1, R, 1)
+    ends = torch.tensor([bounds[(b + r) % len(bounds)][1] for b in range(B) for r in range(R)]).view(B, 1, R, 1)
+    mask = (torch.arange(S) >= starts) & (torch.arange(S) < ends)
+    k_cache, v_cache = torch.randn(B, H, S, D), torch.randn(B, H, S, D)
+    for b in range(B):
+        seen = mask[b, 0].any(0)
+        first, last = seen.nonzero().min(), seen.nonzero().max() + 1
+        k_cache[b, :, :first] = v_cache[b, :, :first] = float("nan")
+        k_cache[b, :, last:] = v_cache[b, :, last:] = float("nan")
+    q = torch.randn(B, H, R, D)
+    got = kernels.cache_attention(q, k_cache, v_cache, None, mask, D ** -0.5)
+    expected = attention_reference(q, k_cache.nan_to_num(), v_cache.nan_to_num(), None, mask, D ** -0.5)
+    sees = mask.any(-1)[:, 0]  # [B, R]
+    torch.testing.assert_close(got.transpose(1, 2)[sees], expected.transpose(1, 2)[sees], rtol=1e-5, atol=1e-5)
+
+
+@needs_cache_attention
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_sequence", [False, True])
 def test_cache_attention_over_sliding_windows(cache_dtype, per_sequence):
@@ -544,6 +571,7 @@ def test_cache_attention_in_the_model(family, kv_cache_dtype, tmp_path):
     # ragged groups read the cache through the cache kernel's tiled rows.
     for chunk in (512, 24):
         engine = Engine(model, Ids(), max_batch_size=3, max_seq_length=200, prefill_chunk=chunk)
+        assert not engine.kv_buckets  # every decode step over the whole cache, the kernel reading what rows see
         results = engine.generate([Request(p, 12) for p in prompts])
         assert [r.token_ids for r in results] == alone
 
