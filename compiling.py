@@ -25,8 +25,11 @@ from model import KVCache, MoEFeedForward
 BF16_TEMPLATE_ROWS = 4
 
 
-def compile_step(fn: Callable, device: str) -> Callable:
-    """torch.compile a decode-sized step fn(model, x, ...) (x: a few tokens, static shapes) for `device`."""
+def compile_step(fn: Callable, device: str, dynamic_rows: bool = False) -> Callable:
+    """torch.compile a decode-sized step fn(model, x, ...) (x: a few tokens, static shapes) for `device`.
+    dynamic_rows: the first dimension of every tensor argument (the batch: an engine's live slots)
+    varies from call to call, and a packed CPU model's one compiled step serves them all
+    (`rows_vary` says where that holds; elsewhere each batch compiles its own)."""
     if device != "cpu":
         import torch._inductor.config as inductor_config
         inductor_config.coordinate_descent_tuning = device.startswith("cuda")
@@ -38,43 +41,52 @@ def compile_step(fn: Callable, device: str) -> Callable:
     steps = weakref.WeakKeyDictionary()
 
     def step(model, x, *args, **kwargs):
-        rows, by_rows = x.numel(), steps.setdefault(model, {})
-        f = by_rows.get(rows)
+        by_rows = steps.setdefault(model, {})  # None: the unfrozen step, whatever the rows
+        f = by_rows.get(None) or by_rows.get(x.numel())
         if f is None:
-            f = by_rows[rows] = frozen_step(fn, model, rows) if needs_freezing(model) else unfrozen_step(fn)
+            if needs_freezing(model):
+                f = by_rows[x.numel()] = frozen_step(fn, model, x.numel())
+            else:
+                f = by_rows[None] = unfrozen_step(fn, dynamic_rows)
         return f(model, x, *args, **kwargs)
     return step
 
 
-def unfrozen_step(fn: Callable) -> Callable:
+def rows_vary(model, device: str) -> bool:
+    """Whether compile_step(..., dynamic_rows=True) compiles one step for batches of any size for
+    this model: a packed CPU model's (frozen graphs are compiled for their rows)."""
+    return device == "cpu" and not needs_freezing(model)
+
+
+def unfrozen_step(fn: Callable, dynamic_rows: bool = False) -> Callable:
     """fn compiled for a packed CPU model (weights as they are, inputs of the graph), for caches of
-    any length. Each kind of call (its signature: the shapes of its tensors, the values of its other
+    any length (and batches of any size: dynamic_rows). Each kind of call (its signature: the shapes of its tensors, the values of its other
     arguments, the model's structure) compiles once into a package that later runs load in well
     under a second (`precompiled`); under torchrun (its collectives), or where torch lacks
     AOTInductor's package loader, through dynamo and its own caches."""
     if torch.distributed.is_initialized() or not hasattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader"):
-        return dynamo_step(fn)
+        return dynamo_step(fn, dynamic_rows)
     steps = weakref.WeakKeyDictionary()  # model -> {call signature: its compiled step}
 
     def step(model, *args, **kwargs):
         by_signature = steps.setdefault(model, {})
-        signature = call_signature(model, args, kwargs)
+        signature = call_signature(model, args, kwargs, dynamic_rows)
         f = by_signature.get(signature)
         if f is None:
             try:
-                f = precompiled(fn, model, args, kwargs, signature)
+                f = precompiled(fn, model, args, kwargs, signature, dynamic_rows)
             except Exception as e:  # export's refusals come in many classes: the step still runs
                 import sys
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
                 print(f"compiling: {fn.__qualname__} could not be compiled ahead of time ({reason}); compiling it "
                       "through dynamo", file=sys.stderr, flush=True)
-                f = dynamo_step(fn)
+                f = dynamo_step(fn, dynamic_rows)
             by_signature[signature] = f
         return f(model, *args, **kwargs)
     return step
 
 
-def dynamo_step(fn: Callable) -> Callable:
+def dynamo_step(fn: Callable, dynamic_rows: bool = False) -> Callable:
     """unfrozen_step through dynamo: one graph for caches of any length, found in the on-disk caches
     by a second run (with another prompt or --max_new_tokens too). dynamo keeps every module buffer's
     shape static unless told otherwise, and would make any shape that changes between calls dynamic
@@ -87,6 +99,10 @@ def dynamo_step(fn: Callable) -> Callable:
         if marked.get(model) is not model.rope_cos_sin:
             sequence_dims_dynamic(model)
             marked[model] = model.rope_cos_sin
+        if dynamic_rows:
+            for t in (*args, *kwargs.values()):
+                if isinstance(t, torch.Tensor):
+                    torch._dynamo.maybe_mark_dynamic(t, 0)  # a batch of one: a graph of its own
         with torch._dynamo.config.patch(DYNAMO_SEQUENCE_DIMS):  # dynamo reads these while tracing, inside a call
             return compiled(model, *args, **kwargs)
     return step
@@ -104,17 +120,21 @@ def size_asserts_off(compiled: Callable) -> Callable:
     return inductor_config.patch(size_asserts=False, alignment_asserts=False, scalar_asserts=False)(compiled)
 
 
-def call_signature(model, args: tuple, kwargs: dict) -> tuple:
+def call_signature(model, args: tuple, kwargs: dict, dynamic_rows: bool = False) -> tuple:
     """What a compiled step is specialised to, short of the model's structure: the shapes and dtypes
-    of the tensors, the values of the other arguments (an int or float may be burnt into the graph),
-    the caches' rows, whether their length is 1 (dynamo specialises it), autograd's state."""
+    of the tensors (but their first dimension where dynamic_rows), the values of the other arguments
+    (an int or float may be burnt into the graph), the caches' rows, whether their length is 1
+    (dynamo specialises it), autograd's state."""
     def of(a):
-        return (a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else (type(a), a)
+        if not isinstance(a, torch.Tensor):
+            return type(a), a
+        return a.dtype, (None, *a.shape[1:]) if dynamic_rows else tuple(a.shape)
     return (model.max_batch_size, model.max_seq_length == 1, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
             tuple(of(a) for a in args), tuple((k, of(v)) for k, v in sorted(kwargs.items())))
 
 
-def precompiled(fn: Callable, model, args: tuple, kwargs: dict, signature: tuple) -> Callable:
+def precompiled(fn: Callable, model, args: tuple, kwargs: dict, signature: tuple,
+                dynamic_rows: bool = False) -> Callable:
     """fn compiled ahead of time by AOTInductor for calls of this signature on models of this
     structure, kept as a package in compiled_steps_dir(): a warm start loads a shared library and
     runs it without importing dynamo or inductor (seconds of a start, ~0.1 GB of its memory). The
@@ -142,7 +162,7 @@ def precompiled(fn: Callable, model, args: tuple, kwargs: dict, signature: tuple
             print(f"compiling: {path} does not load ({type(e).__name__}); compiling again", file=sys.stderr, flush=True)
             path.unlink(missing_ok=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda tmp: export_and_package(fn, model, args, kwargs, tmp))
+    atomic_write(path, lambda tmp: export_and_package(fn, model, args, kwargs, tmp, dynamic_rows))
     step = load_package(path, model)
     print(f"compiling: compiled {fn.__qualname__} in {time.perf_counter() - t0:.1f} s, saved to {path}",
           file=sys.stderr, flush=True)
@@ -167,9 +187,10 @@ def sequence_dim(name: str) -> int:
     return 0 if name.endswith("cos_sin") else 2
 
 
-def export_and_package(fn: Callable, model, args: tuple, kwargs: dict, path) -> None:
+def export_and_package(fn: Callable, model, args: tuple, kwargs: dict, path, dynamic_rows: bool = False) -> None:
     """torch.export fn(model, *args, **kwargs) with its tensor arguments and the model's sequence
-    tensors as inputs, and compile it with AOTInductor into the package `path`."""
+    tensors as inputs (the tensor arguments' first dimension dynamic where dynamic_rows), and
+    compile it with AOTInductor into the package `path`."""
     import torch._inductor
     import torch._inductor.inductor_prims  # noqa: F401  (model.in_memory's prim)
     calls = [*args, *(v for _, v in sorted(kwargs.items()))]
@@ -193,13 +214,17 @@ def export_and_package(fn: Callable, model, args: tuple, kwargs: dict, path) -> 
 
     # Example inputs apart from the model's own tensors (an input that aliases a buffer fails to
     # export); the contents never matter: export traces with shapes alone.
-    examples = [calls[i].clone() for i in at], [torch.empty_like(t) for t in sequence_tensors(model).values()]
+    # A batch of one would be traced as a static 1 (export specialises sizes 0 and 1): the example
+    # of a dynamic batch has at least two rows.
+    examples = ([torch.cat([calls[i]] * 2) if dynamic_rows and calls[i].shape[0] == 1 else calls[i].clone() for i in at],
+                [torch.empty_like(t) for t in sequence_tensors(model).values()])
     # DYNAMIC: export may narrow a length's range (a step that attends to the first 256 positions
     # needs at least 256) rather than fail; a cache of one position is a static shape.
     length = torch.export.Dim.DYNAMIC
     dims = [None if model.max_seq_length == 1 else {sequence_dim(n): length} for n in names]
+    rows = [{0: torch.export.Dim.DYNAMIC} if dynamic_rows else None for _ in at]
     with buffers_as_parameters(model, names):
-        program = torch.export.export(Step(), examples, dynamic_shapes=([None] * len(at), dims), strict=False)
+        program = torch.export.export(Step(), examples, dynamic_shapes=(rows, dims), strict=False)
     with open(path, "wb") as f:  # a file object: the package's own name must end in .pt2
         torch._inductor.aoti_compile_and_package(program, package_path=f, inductor_configs={
             "aot_inductor.package_constants_in_so": False,  # the weights are the model's, read in place

@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from compiling import compile_prefill, compile_step, skip_guards
+from compiling import compile_prefill, compile_step, rows_vary, skip_guards
 from decode import check_sampling, sample_rows
 from model import Transformer
 
@@ -115,10 +115,12 @@ def check_request(request: Request, max_seq_length: int, vocab_size: int):
     check_sampling(request.temperature, request.top_k, request.top_p)
 
 
-def decode_step(model: Transformer, x: Tensor, input_pos: Tensor, kv_len: Optional[int]) -> Tensor:
-    """x [B, 1] at per-row positions input_pos [B, 1], attending to the first kv_len cache positions
-    -> logits [B, V]: the step compile_step compiles (one graph per kv_len bucket)."""
-    return model(x, input_pos, kv_len=kv_len)[:, -1]
+def decode_step(model: Transformer, x: Tensor, input_pos: Tensor, kv_len: Optional[int],
+                cache_rows: Optional[Tensor] = None) -> Tensor:
+    """x [B, 1] at per-row positions input_pos [B, 1] of cache rows cache_rows [B] (None: every row),
+    attending to the first kv_len cache positions -> logits [B, V]: the step compile_step compiles
+    (one graph per kv_len bucket)."""
+    return model(x, input_pos, kv_len=kv_len, cache_rows=cache_rows)[:, -1]
 
 
 def prefill_step(model: Transformer, x: Tensor, input_pos: Tensor, cache_rows: Tensor, logits_at: Tensor,
@@ -154,7 +156,11 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.device = model.norm.weight.device
         model.setup_caches(max_batch_size, self.max_seq_length)
-        self.decode_fn = compile_step(decode_step, self.device.type) if compile else decode_step
+        self.decode_fn = compile_step(decode_step, self.device.type, dynamic_rows=True) if compile else decode_step
+        # A step decodes the live slots alone where one compiled step takes any number of them
+        # (a packed CPU model's, or eager); elsewhere every slot, in the one shape it was compiled for
+        # (rows that do not decode compute garbage): one live request of 8 slots costs 8 rows there.
+        self.live_rows_only = not compile or rows_vary(model, self.device.type)
         self.prefill_fn = compile_prefill(prefill_step, self.device.type) if compile else prefill_step
         self.slots: list = [None] * max_batch_size  # slot -> _Sequence or None
         self.kept: list = [[] for _ in range(max_batch_size)]  # free slot -> the tokens its cache row holds
@@ -167,7 +173,7 @@ class Engine:
         self.sync = sync
         self.rng = random.Random(seed)
         self.next_id = 0
-        self.last_kv_len = 0  # the bucket of the last decode step (0: none yet; None: the whole cache)
+        self.last_step = (0, 0)  # the bucket (None: the whole cache) and rows of the last decode step (0: none yet)
         # attention.cpp's kernel (every layer's attend_cache) reads only the positions its rows see,
         # whatever the cache's length: buckets would only add compiled graphs, each a compile (tens
         # of seconds on a first run) the first time a sequence grows past one.
@@ -343,25 +349,32 @@ class Engine:
         if not any(active):
             return
         B = self.max_batch_size
-        tokens = torch.zeros(B, 1, dtype=torch.long)
-        pos = torch.zeros(B, 1, dtype=torch.int)
-        for i, s in enumerate(self.slots):
-            # Rows that do not decode write garbage at a position their own request writes again
-            # before reading it (a prefilling slot's next position), or past what a free slot keeps.
-            pos[i, 0] = len(self.kept[i]) if s is None else s.cached
-            if active[i]:
-                tokens[i, 0] = s.next_token
+        rows = [i for i in range(B) if active[i]]
+        if self.live_rows_only:
+            tokens = torch.tensor([[self.slots[i].next_token] for i in rows])
+            pos = torch.tensor([[self.slots[i].cached] for i in rows], dtype=torch.int)
+            cache_rows = torch.tensor(rows).to(self.device)
+        else:
+            tokens = torch.zeros(B, 1, dtype=torch.long)
+            pos = torch.zeros(B, 1, dtype=torch.int)
+            for i, s in enumerate(self.slots):
+                # Rows that do not decode write garbage at a position their own request writes again
+                # before reading it (a prefilling slot's next position), or past what a free slot keeps.
+                pos[i, 0] = len(self.kept[i]) if s is None else s.cached
+                if active[i]:
+                    tokens[i, 0] = s.next_token
+            cache_rows = None
         # Free slots' positions do not count: their garbage lands past the attention's bucket.
         kv_len = kv_bucket(max(s.cached for s in self.slots if s is not None) + 1, self.max_seq_length) \
             if self.kv_buckets else None
-        # The graph of the last step's bucket passed its guards; a new bucket must be looked up (or compiled).
-        with skip_guards(kv_len == self.last_kv_len):
-            logits = self.decode_fn(self.model, tokens.to(self.device), pos.to(self.device), kv_len)
-        self.last_kv_len = kv_len
-        rows = [i for i in range(B) if active[i]]
+        # The graph of the last step's bucket and rows passed its guards; another must be looked up
+        # (or compiled: a batch of one row is a graph of its own under dynamo).
+        with skip_guards((kv_len, len(tokens)) == self.last_step):
+            logits = self.decode_fn(self.model, tokens.to(self.device), pos.to(self.device), kv_len, cache_rows)
+        self.last_step = (kv_len, len(tokens))
         for i in rows:
             self.slots[i].cached += 1
-        self._sample([self.slots[i] for i in rows], logits[rows], outputs)
+        self._sample([self.slots[i] for i in rows], logits if self.live_rows_only else logits[rows], outputs)
 
     def _sample(self, seqs: list, logits: Tensor, outputs: list):
         """logits [len(seqs), V] at each sequence's last position -> its next token, and outputs."""
