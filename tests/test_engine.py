@@ -412,3 +412,25 @@ def test_prompts_file_errors(checkpoint, tmp_path, content, needle, capsys):
         cli(["--checkpoint_path", str(checkpoint), "--prompts_file", str(f), "--no-chat", "--device", "cpu"])
     assert str(e.value.code).startswith("error: ") and needle in str(e.value.code), e.value.code
     assert capsys.readouterr().out == ""
+
+
+def test_incremental_text_equals_whole_decode(tmp_path):
+    """The engine's text of a growing generation, decoding only its last ids, equals decoding every
+    id at every step: a byte-level BPE (characters of 2-4 bytes split between ids, ids that are
+    bytes alone) and a SentencePiece model (each word's leading space, byte fallback)."""
+    import shutil
+    from engine import IncrementalText
+    from tokenizer import load_tokenizer
+    from test_gguf import sentencepiece_vocab
+    save_tokenizer(tmp_path / "bpe")
+    sentencepiece_vocab(tmp_path)
+    (tmp_path / "sp").mkdir()
+    shutil.copy(tmp_path / "sp.model", tmp_path / "sp" / "tokenizer.model")
+    g = torch.Generator().manual_seed(0)
+    text = "naïve café — 東京 🙂 text, ünïcode; the end. " * 3
+    for tok, vocab in ((load_tokenizer(tmp_path / "bpe"), 300), (load_tokenizer(tmp_path / "sp"), 400)):
+        ids = tok.encode(text)
+        for seq in (ids, torch.randint(0, vocab, (200,), generator=g).tolist()):  # real text, and any ids
+            inc = IncrementalText()
+            for n in range(1, len(seq) + 1):
+                assert inc.of(tok, seq[:n]) == tok.decode(seq[:n]), (type(tok).__name__, n)
