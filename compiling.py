@@ -60,10 +60,11 @@ def rows_vary(model, device: str) -> bool:
 
 def unfrozen_step(fn: Callable, dynamic_rows: bool = False) -> Callable:
     """fn compiled for a packed CPU model (weights as they are, inputs of the graph), for caches of
-    any length (and batches of any size: dynamic_rows). Each kind of call (its signature: the shapes of its tensors, the values of its other
-    arguments, the model's structure) compiles once into a package that later runs load in well
-    under a second (`precompiled`); under torchrun (its collectives), or where torch lacks
-    AOTInductor's package loader, through dynamo and its own caches."""
+    any length (and batches of any size: dynamic_rows). Each kind of call (its signature: the
+    shapes of its tensors, the values of its other arguments, the model's structure) compiles once
+    into a package that later runs load in well under a second (`precompiled`); under torchrun
+    (its collectives), or where torch lacks AOTInductor's package loader, through dynamo and its
+    own caches."""
     if torch.distributed.is_initialized() or not hasattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader"):
         return dynamo_step(fn, dynamic_rows)
     steps = weakref.WeakKeyDictionary()  # model -> {call signature: its compiled step}
@@ -216,8 +217,8 @@ def export_and_package(fn: Callable, model, args: tuple, kwargs: dict, path, dyn
     # export); the contents never matter: export traces with shapes alone.
     # A batch of one would be traced as a static 1 (export specialises sizes 0 and 1): the example
     # of a dynamic batch has at least two rows.
-    examples = ([torch.cat([calls[i]] * 2) if dynamic_rows and calls[i].shape[0] == 1 else calls[i].clone() for i in at],
-                [torch.empty_like(t) for t in sequence_tensors(model).values()])
+    examples = ([torch.cat([calls[i]] * 2) if dynamic_rows and calls[i].shape[0] == 1 else calls[i].clone()
+                 for i in at], [torch.empty_like(t) for t in sequence_tensors(model).values()])
     # DYNAMIC: export may narrow a length's range (a step that attends to the first 256 positions
     # needs at least 256) rather than fail; a cache of one position is a static shape.
     length = torch.export.Dim.DYNAMIC
