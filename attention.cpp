@@ -27,24 +27,29 @@ namespace {
 constexpr int64_t MAX_ROWS = 16;  // query rows per key/value head (heads per group x tokens)
 constexpr int64_t MIN_CHUNK = 64;  // positions: fewer make the merge cost more than it saves
 
+// 64 bits of n <= 64 (the first n set).
+inline uint64_t first64(int64_t n) { return n <= 0 ? 0 : n >= 64 ? ~uint64_t(0) : (uint64_t(1) << n) - 1; }
+
+// Which of the n <= 64 mask bytes at v are true, a bit each.
+AVX512 inline uint64_t true_bits(const bool* v, int64_t n) {
+  __m512i bytes = _mm512_maskz_loadu_epi8(first64(n), v);
+  return _mm512_test_epi8_mask(bytes, bytes);
+}
+
 // The positions a mask row of S shows, [first, last) from its first true to one past its last
 // (first == last: none), 64 at a time: a decode step's mask spans the whole cache (an engine's
 // slots of thousands of positions), of which a short sequence sees its first few.
 AVX512 inline void visible_span(const bool* v, int64_t S, int64_t& first, int64_t& last) {
   first = last = S;
   for (int64_t s = 0; s < S; s += 64) {
-    __m512i bytes = _mm512_maskz_loadu_epi8(S - s >= 64 ? ~uint64_t(0) : (uint64_t(1) << (S - s)) - 1, v + s);
-    uint64_t m = _mm512_test_epi8_mask(bytes, bytes);
-    if (m) {
+    if (uint64_t m = true_bits(v + s, S - s)) {
       first = s + __builtin_ctzll(m);
       break;
     }
   }
   for (int64_t e = S; e > first; e -= 64) {
-    int64_t s = std::max(first, e - 64), n = e - s;
-    __m512i bytes = _mm512_maskz_loadu_epi8(n >= 64 ? ~uint64_t(0) : (uint64_t(1) << n) - 1, v + s);
-    uint64_t m = _mm512_test_epi8_mask(bytes, bytes);
-    if (m) {
+    int64_t s = std::max(first, e - 64);
+    if (uint64_t m = true_bits(v + s, e - s)) {
       last = s + 64 - __builtin_clzll(m);
       return;
     }
@@ -337,9 +342,6 @@ struct BlockScratch {
       : q(rows * D), o(rows * D), s(rows * KBLOCK), top(rows), sum(rows), alpha(rows), v(KBLOCK * D) {}
 };
 
-// 64 bits of n <= 64 (the first n set).
-inline uint64_t first64(int64_t n) { return n <= 0 ? 0 : n >= 64 ? ~uint64_t(0) : (uint64_t(1) << n) - 1; }
-
 // A prompt's block (attend_prompt): row r is head r / m of the group, position t0 + r % m, and sees
 // keys [0, t0 + r % m]; q [.., H, T, D] and y [B, T, H * D] of one sequence and group.
 template <class E>
@@ -371,8 +373,7 @@ struct MaskedRows {
   int64_t begin() const { return first; }
   int64_t end() const { return last; }
   AVX512 uint64_t visible(int64_t r, int64_t n0, int64_t n) const {
-    __m512i bytes = _mm512_maskz_loadu_epi8(first64(n), mask + r * S + n0);
-    return _mm512_test_epi8_mask(bytes, bytes);
+    return true_bits(mask + r * S + n0, n);
   }
 };
 

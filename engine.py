@@ -371,9 +371,10 @@ class Engine:
             if self.kv_buckets else None
         # The graph of the last step's bucket and rows passed its guards; another must be looked up
         # (or compiled: a batch of one row is a graph of its own under dynamo).
-        with skip_guards((kv_len, len(tokens)) == self.last_step):
+        step = (kv_len, tokens.shape[0])
+        with skip_guards(step == self.last_step):
             logits = self.decode_fn(self.model, tokens.to(self.device), pos.to(self.device), kv_len, cache_rows)
-        self.last_step = (kv_len, len(tokens))
+        self.last_step = step
         for i in rows:
             self.slots[i].cached += 1
         self._sample([self.slots[i] for i in rows], logits if self.live_rows_only else logits[rows], outputs)
