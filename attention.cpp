@@ -20,7 +20,7 @@
 #include <type_traits>
 #include <vector>
 
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#include "simd.h"
 
 namespace {
 
@@ -55,35 +55,6 @@ AVX512 inline void visible_span(const bool* v, int64_t S, int64_t& first, int64_
     }
   }
   last = first;
-}
-
-// 16 values of a cache vector as fp32, of which the first d are read (d <= 0: none; zeros past d).
-AVX512 inline __mmask16 first(int64_t d) {
-  return d >= 16 ? (__mmask16)0xffff : d <= 0 ? (__mmask16)0 : (__mmask16)((1u << d) - 1);
-}
-AVX512 inline __m512 load16(const float* p, int64_t d) {
-  return d >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(first(d), p);
-}
-AVX512 inline __m512 load16(const at::BFloat16* p, int64_t d) {
-  __m256i h = d >= 16 ? _mm256_loadu_si256((const __m256i*)p) : _mm256_maskz_loadu_epi16(first(d), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// exp(x) for x <= 0 (scores minus their maximum); -inf (a masked position) gives 0. A degree-6
-// polynomial on [-ln2 / 2, ln2 / 2] and scaling by 2^n: within 2 ulp of expf.
-AVX512 inline __m512 exp16(__m512 x) {
-  __mmask16 masked = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_maskz_mov_ps(~masked, _mm512_scalef_ps(p, n));
 }
 
 struct Partial {  // one chunk of positions, per query row: max score, sum of exponentials, sum p v

@@ -298,7 +298,8 @@ def code_digest() -> str:
     """Of brisk's own files (what a compiled step traced): any change compiles afresh."""
     from pathlib import Path
     digest = hashlib.sha256()
-    for f in sorted(Path(__file__).parent.glob("*.py")) + sorted(Path(__file__).parent.glob("*.cpp")):
+    here = Path(__file__).parent
+    for f in sorted(here.glob("*.py")) + sorted(here.glob("*.cpp")) + sorted(here.glob("*.h")):
         digest.update(f.name.encode() + f.read_bytes())
     return digest.hexdigest()
 

@@ -17,12 +17,13 @@ picks AVX-512 or AVX2 at run time.
 import functools
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model import FeedForward, Transformer
+from model import Attention, FeedForward, RMSNorm, Transformer
 
 BLOCK = 32  # output columns per packed block (kernels.cpp)
 # compiling.py, for every module that calls these ops: freezing the weights gains nothing (they
@@ -36,17 +37,17 @@ CFLAGS = ["-O3", "-fopenmp"]
 
 @functools.cache
 def extension():
-    """The built kernels.cpp and attention.cpp: imported straight from the library built for these
-    sources, flags, torch and Python, without asking the compiler and ninja whether it is up to
+    """The built kernels.cpp, attention.cpp and rowwise.cpp: imported straight from the library built for
+    these sources, flags, torch and Python, without asking the compiler and ninja whether it is up to
     date (three subprocesses, a visible part of a warm start); built by torch's extension loader
     the first time, into $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions)."""
     import hashlib
     import importlib.util
     import os
     here = Path(__file__).parent
-    sources = [here / "kernels.cpp", here / "attention.cpp"]
+    sources = [here / "kernels.cpp", here / "attention.cpp", here / "rowwise.cpp"]
     digest = hashlib.sha256(repr((CFLAGS, torch.__version__, sys.version)).encode()
-                            + b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
+                            + b"".join(p.read_bytes() for p in [*sources, here / "simd.h"])).hexdigest()[:16]
     name = f"brisk_kernels_{digest}"
     build = Path(os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")).expanduser() / name
     built = build / f"{name}.so"
@@ -309,9 +310,13 @@ class PackedFeedForward(nn.Module):
         super().__init__()
         self.w13, self.w2, self.act, self.hidden = w13, ff.w2, ff.act, ff.w1.out_features
         self._forward_pre_hooks, self._forward_hooks = ff._forward_pre_hooks, ff._forward_hooks  # tp.py's
+        self.gate_kernel: Optional[Callable] = None  # act(gate) * up in one op for eager steps (use_rowwise_kernels)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).split(self.hidden, dim=-1)
+        gate_up = self.w13(x)
+        if self.gate_kernel is not None and not torch.compiler.is_compiling():
+            return self.w2(self.gate_kernel(gate_up, self.hidden))
+        gate, up = gate_up.split(self.hidden, dim=-1)
         return self.w2(self.act(gate) * up)
 
 
@@ -364,6 +369,7 @@ def pack_for_cpu(model: Transformer) -> Transformer:
     pack_linears(model)
     if cache_attention_supported():
         use_attention_kernels(model)
+        use_rowwise_kernels(model)
     return model
 
 
@@ -396,6 +402,36 @@ def use_attention_kernels(model: Transformer) -> None:
             a.attend_cache = cache_attention
             if a.head_dim % 16 == 0:
                 a.attend_prompt = prompt_attention
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
+    """model.RMSNorm's kernel (rowwise.cpp)."""
+    return torch.ops.brisk.rms_norm(x, weight, eps, offset)
+
+
+def rotate(x: Tensor, rope: Tensor) -> Tensor:
+    """model.Attention's rotate: rope.apply_rope in one op (rowwise.cpp)."""
+    return torch.ops.brisk.apply_rope(x, rope)
+
+
+def silu_mul(gate_up: Tensor, hidden: int) -> Tensor:
+    """PackedFeedForward's gate_kernel for SwiGLU: silu(gate) * up of [gate, up] (rowwise.cpp)."""
+    return torch.ops.brisk.silu_mul(gate_up, hidden)
+
+
+def use_rowwise_kernels(model: Transformer) -> None:
+    """The norms, RoPE and SwiGLU gates of eager steps through rowwise.cpp, an op each instead of
+    PyTorch's 2-12 (compiled steps keep model.py's code, which inductor fuses). AVX-512 only, and
+    only where the activations are fp32 or bf16 (a packed model's)."""
+    if model.norm.weight.dtype not in (torch.float32, torch.bfloat16):
+        return
+    for module in model.modules():
+        if isinstance(module, RMSNorm) and module.weight.dtype == model.norm.weight.dtype:
+            module.kernel = rms_norm
+        elif isinstance(module, Attention):
+            module.rotate = rotate
+        elif isinstance(module, PackedFeedForward) and module.act is F.silu:
+            module.gate_kernel = silu_mul
 
 
 def replace_linear(module: nn.Module, name: str, isa: str) -> None:

@@ -378,6 +378,8 @@ class Attention(nn.Module):
         # And one for a prompt from position 0 (causal within it): f(q [B, nh, T, hd], k, v [B, n_kv,
         # T, hd], scale) -> y [B, T, nh * hd].
         self.attend_prompt: Optional[Callable] = None
+        # apply_rope in one op for eager steps (kernels.py): f(x [B, T, heads, hd], rope) -> x rotated.
+        self.rotate: Optional[Callable] = None
         self.scale = config.attention_scale or config.head_dim ** -0.5
         self.softcap = config.attn_logit_softcap
         self.use_rope = layer_id not in (config.no_rope_layers or ())
@@ -405,7 +407,8 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
+            rotate = self.rotate if self.rotate is not None and not torch.compiler.is_compiling() else apply_rope
+            q, k = rotate(q, rope), rotate(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
         self.kv_cache.update(input_pos, k, v, cache_rows)
         if mask is None:
@@ -572,8 +575,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
+        # The same in one op for eager steps, attached from outside (kernels.py): f(x, weight, eps, offset).
+        self.kernel: Optional[Callable] = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.kernel is not None and not torch.compiler.is_compiling():
+            return self.kernel(x, self.weight, self.eps, self.offset)
         # Normalise in fp32 like the reference implementations, then scale in the model dtype;
         # Gemma scales by (1 + weight) in fp32, as its checkpoints store weight - 1 to stay exact.
         xf = x.float()

@@ -16,6 +16,7 @@ import kernels
 import quantized
 from conftest import kernel_isas, make_hf_model, save_and_convert
 from load import load_model
+from model import RMSNorm
 
 
 @pytest.fixture(params=["avx512vnni", "avx512", "avx2"])
@@ -369,6 +370,7 @@ import kernels
 from compiling import compile_step
 from decode import decode_one_token, generate
 from load import load_model
+from model import RMSNorm
 model = kernels.pack_for_cpu(load_model(sys.argv[1]))
 torch.manual_seed(11)
 print(json.dumps(generate(model, torch.arange(5, 12), 24, decode_fn=compile_step(decode_one_token, "cpu"),
@@ -616,3 +618,76 @@ def test_casting_a_checkpoint_never_holds_both_copies(tmp_path):
     assert done.returncode == 0, done.stderr
     peak_mb, bf16_mb = map(float, done.stdout.split())
     assert peak_mb < 2 * bf16_mb, f"loading peaked {peak_mb:.0f} MB above the start for {bf16_mb:.0f} MB of weights"
+
+
+def bf16_ulps(a, b):
+    """The largest difference of a and b in units of b's bf16 spacing (0: equal)."""
+    spacing = torch.finfo(torch.bfloat16).eps * b.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    return ((a.float() - b.float()).abs() / spacing).max().item()
+
+
+@needs_cache_attention
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 37])
+def test_rowwise_kernels_equal_model_code(dtype, rows):
+    """rowwise.cpp's RMSNorm (with and without Gemma's offset), RoPE (a strided slice of a qkv
+    projection; whole and partial rotary; one table for all rows and one per row) and SwiGLU gate
+    against model.py's own PyTorch code: fp32 within float rounding, bf16 equal but for a few
+    values one bf16 step apart (where sums in another order round the other way; a result not
+    rounded where model.py rounds it differs in many). Features that are no multiple of 16
+    exercise the masked tails."""
+    from rope import apply_rope, precompute_rope
+    g = torch.Generator().manual_seed(rows)
+
+    def close(got, expected):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, expected, rtol=2e-6, atol=2e-6)
+        else:
+            assert got.dtype == torch.bfloat16 and bf16_ulps(got, expected) <= 1.0
+            assert (got != expected).float().mean().item() < 0.01
+
+    for dim, offset in ((40, 0.0), (576, 0.0), (40, 1.0)):
+        norm = RMSNorm(dim, 1e-6, offset).to(dtype)
+        norm.weight.data = torch.randn(dim, generator=g).to(dtype)
+        x = (torch.randn(2, rows, dim, generator=g) * 3).to(dtype)
+        close(kernels.rms_norm(x, norm.weight, norm.eps, norm.offset), norm(x))
+    for hidden in (24, 1536):
+        gate_up = (torch.randn(2, rows, 2 * hidden, generator=g) * 4).to(dtype)
+        gate, up = gate_up.split(hidden, dim=-1)
+        close(kernels.silu_mul(gate_up, hidden), F.silu(gate) * up)
+    heads, head_dim = 3, 24
+    qkv = torch.randn(2, rows, (heads + 4) * head_dim, generator=g).to(dtype)
+    q = qkv[..., :heads * head_dim].view(2, rows, heads, head_dim)  # strided, as Attention splits it
+    for rope_dim in (24, 16):
+        table = precompute_rope(400, rope_dim, 10000.0)
+        for rope in (table[torch.arange(rows) + 300], table[torch.randint(0, 400, (2, rows), generator=g)]):
+            got = kernels.rotate(q, rope)
+            assert got.is_contiguous()
+            close(got, apply_rope(q, rope))
+
+
+@needs_cache_attention
+@pytest.mark.parametrize("family", ["llama31", "gemma3", "qwen3", "olmo2", "phi4_longrope", "smollm3"])
+def test_rowwise_kernels_in_the_model_match_transformers(family, tmp_path):
+    """A packed model (pack_for_cpu: rowwise.cpp's norms, RoPE and gates attached) against
+    transformers: a prompt's logits and 24 greedy tokens decoded a step at a time. The families
+    cover Gemma's offset norms and GeGLU (no gate kernel), q/k norms per head (Qwen3) and over the
+    projection (OLMo 2), partial rotary (Phi-4), layers without RoPE (SmolLM3)."""
+    from decode import generate
+    hf = make_hf_model(family, seed=9)
+    model = kernels.pack_for_cpu(load_model(save_and_convert(hf, tmp_path)))
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.kernel is kernels.rms_norm for m in norms)
+    assert all(layer.attention.rotate is kernels.rotate for layer in model.layers)
+    gated = [layer.feed_forward for layer in model.layers if isinstance(layer.feed_forward, kernels.PackedFeedForward)]
+    assert gated and all((m.gate_kernel is kernels.silu_mul) == (m.act is F.silu) for m in gated)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
+    model.setup_caches(max_batch_size=1, max_seq_length=64)
+    with torch.no_grad():
+        expected = hf(ids).logits
+        torch.testing.assert_close(model(ids, torch.arange(12), from_start=True), expected, atol=1e-4, rtol=1e-4)
+        ours = generate(model, ids[0], 24)
+        theirs = hf.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0]
+    assert ours[0].tolist() == theirs.tolist()
+    assert len(set(ours[0, 12:].tolist())) > 3, "degenerate test: the model repeats one token"
