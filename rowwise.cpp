@@ -143,13 +143,14 @@ torch::Tensor apply_rope(torch::Tensor x, torch::Tensor rope) {
   check_cpu();
   TORCH_CHECK(float_or_bf16(x) && x.dim() == 4, "apply_rope: x [B, T, heads, head_dim] float32 or bfloat16");
   TORCH_CHECK(rope.scalar_type() == torch::kFloat && rope.size(-1) == 2 && rope.size(-2) <= x.size(3) &&
-                  rope.size(-2) % 2 == 0 && (rope.dim() == 3 || rope.dim() == 4 && rope.size(0) == x.size(0)) &&
+                  rope.size(-2) % 2 == 0 &&
+                  (rope.dim() == 3 || rope.dim() == 4 && (rope.size(0) == x.size(0) || rope.size(0) == 1)) &&
                   rope.size(-3) == x.size(1),
-              "apply_rope: rope [T, rd, 2] or [B, T, rd, 2] float32, rd even and at most head_dim");
+              "apply_rope: rope [T, rd, 2] or [B or 1, T, rd, 2] float32, rd even and at most head_dim");
   if (x.stride(3) != 1) x = x.contiguous();
   rope = rope.contiguous();
   int64_t rd = rope.size(-2);
-  int64_t rope_b_stride = rope.dim() == 4 ? x.size(1) * rd * 2 : 0;
+  int64_t rope_b_stride = rope.dim() == 4 && rope.size(0) > 1 ? x.size(1) * rd * 2 : 0;  // else one for every row
   auto y = torch::empty(x.sizes(), x.options());
   if (x.scalar_type() == torch::kFloat)
     rope_rows<float>(x, rope.data_ptr<float>(), rope_b_stride, rd, y.data_ptr<float>());

@@ -631,7 +631,8 @@ def bf16_ulps(a, b):
 @pytest.mark.parametrize("rows", [1, 3, 37])
 def test_rowwise_kernels_equal_model_code(dtype, rows):
     """rowwise.cpp's RMSNorm (with and without Gemma's offset), RoPE (a strided slice of a qkv
-    projection; whole and partial rotary; one table for all rows and one per row) and SwiGLU gate
+    projection; whole and partial rotary; one table for all rows, as [T, ...] or [1, T, ...], and one
+    per row) and SwiGLU gate
     against model.py's own PyTorch code: fp32 within float rounding, bf16 equal but for a few
     values one bf16 step apart (where sums in another order round the other way; a result not
     rounded where model.py rounds it differs in many). Features that are no multiple of 16
@@ -660,7 +661,8 @@ def test_rowwise_kernels_equal_model_code(dtype, rows):
     q = qkv[..., :heads * head_dim].view(2, rows, heads, head_dim)  # strided, as Attention splits it
     for rope_dim in (24, 16):
         table = precompute_rope(400, rope_dim, 10000.0)
-        for rope in (table[torch.arange(rows) + 300], table[torch.randint(0, 400, (2, rows), generator=g)]):
+        for rope in (table[torch.arange(rows) + 300], table[torch.randint(0, 400, (2, rows), generator=g)],
+                     table[torch.arange(rows)[None] + 5]):  # [T, rd, 2], [B, T, rd, 2], [1, T, rd, 2]
             got = kernels.rotate(q, rope)
             assert got.is_contiguous()
             close(got, apply_rope(q, rope))
