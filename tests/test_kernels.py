@@ -112,6 +112,22 @@ def test_packed_bf16_equals_float64_product(bf16_dot, n, k):
         torch.testing.assert_close(got.double(), expected, rtol=2 ** -7, atol=2 ** -7)
 
 
+@pytest.mark.parametrize("n,k", [(576, 576), (100, 200), (33, 7)])
+@pytest.mark.parametrize("rows", [16, 45, 96])
+def test_packed_bf16_prompt_equals_its_rows_alone(bf16_dot, n, k, rows):
+    """A prompt's bf16 product (on AMX's tiles where the CPU has them: 16 rows or more, padded to
+    whole tiles of 32 rows and 32 k) against each of its rows alone (vdpbf16ps) and float64: sums of
+    the same exact products in another order, so equal but for a few values one bf16 step apart."""
+    torch.manual_seed(rows + k)
+    linear = nn.Linear(k, n, bias=False).bfloat16()
+    packed = kernels.PackedLinear(linear, kernels.best_isa())
+    x = torch.randn(rows, k).bfloat16()
+    whole, alone = packed(x), torch.cat([packed(row) for row in x.split(1)])
+    assert bf16_ulps(whole, alone) <= 1.0 and (whole != alone).float().mean() < 0.02
+    expected = x.double() @ linear.weight.double().T
+    torch.testing.assert_close(whole.double(), expected, rtol=2 ** -7, atol=2 ** -7)
+
+
 @pytest.mark.parametrize("family", ["llama31", "gemma2"])
 def test_packed_bf16_model_matches_unpacked(bf16_dot, family, tmp_path):
     """A bf16 model packed (tied embedding gathered from bf16 pairs) against the same model on
