@@ -1,7 +1,7 @@
 // Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
 // Products for a few rows that stream each weight once: y[M, N] = x[M, K] @ W[N, K]^T, x and y fp32,
 // W fp32, int8 (one scale per output column) or int4 (a scale and a zero per group of input columns);
-// or x, W and y bf16 (fp32 sums) where the CPU has AVX-512 BF16.
+// or x, W and y bf16 (fp32 sums) where the CPU has AVX-512 BF16, a prompt's rows on AMX tiles where it has them.
 //
 // W is packed once (kernels.py) as [N / 32, K, 32] (N padded with zero rows): the 32 output columns
 // of a block are one contiguous stream, read once from memory for all M rows (up to 8 at a time from
