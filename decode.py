@@ -89,7 +89,8 @@ def generate(model: Transformer, prompt: Tensor, max_new_tokens: int, *, batch_s
     """Generate up to max_new_tokens after `prompt` ([T] or [B, T]); returns [B, T + n] token ids.
 
     Stops early once every row has produced one of eos_ids; rows that stopped earlier continue
-    with tokens that `trim_at_eos` removes. callback receives each new token column [B].
+    with tokens that `trim_at_eos` removes. callback receives each new token column [B] as a CPU
+    tensor, while the device already computes the next one.
     """
     if prompt.dim() == 1:
         prompt = prompt.unsqueeze(0).expand(batch_size, -1)
@@ -104,21 +105,50 @@ def generate(model: Transformer, prompt: Tensor, max_new_tokens: int, *, batch_s
 
     seq = torch.empty(B, total, dtype=torch.long, device=device)
     seq[:, :T] = prompt
+    # The positions live on the device: one made from a Python int is copied from the host, and
+    # on CUDA that copy waits for every step queued before it.
+    positions = torch.arange(T, total - 1, device=device, dtype=torch.int)
     token = prefill_fn(model, prompt, **sampling)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
+    watch = callback is not None or eos.numel() > 0
     n = 0
     for n in range(1, max_new_tokens + 1):
         seq[:, T + n - 1] = token[:, 0]
-        if callback is not None:
-            callback(token[:, 0])
         finished |= torch.isin(token[:, 0], eos)
-        # Reading `finished` waits for the step to finish (on a GPU, the CPU stops queueing ahead).
-        if n == max_new_tokens or (eos.numel() > 0 and bool(finished.all())):
-            break
-        input_pos = torch.tensor([T + n - 1], device=device, dtype=torch.int)
-        with skip_guards(n > 1):  # from the second step on, the first step's guards hold
-            token, _ = decode_fn(model, token.clone(), input_pos, **sampling)
+        ready = HostCopy(token[:, 0], finished.all()) if watch else None
+        if n < max_new_tokens:
+            # The next step is queued before this token is read: the device computes it while the
+            # host streams this one and checks for the end (a step queued past the end is wasted).
+            with skip_guards(n > 1):  # from the second step on, the first step's guards hold
+                token, _ = decode_fn(model, token.clone(), positions[n - 1:n], **sampling)
+        if ready is not None:
+            new, done = ready.wait()
+            if callback is not None:
+                callback(new)
+            if eos.numel() > 0 and bool(done):
+                break
     return seq[:, :T + n]
+
+
+class HostCopy:
+    """A copy of device tensors on the host, started now and waited for later. Reading a CUDA
+    tensor directly (.tolist(), bool()) waits for all the work queued on the device, also the
+    work queued after it; this waits only for the work queued before."""
+
+    def __init__(self, *tensors: Tensor):
+        self.event = None
+        if tensors[0].device.type == "cuda":
+            self.tensors = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                            for t in tensors]
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:  # CPU: done; other devices wait here (before the next step is queued)
+            self.tensors = [t.to("cpu", copy=True) for t in tensors]
+
+    def wait(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tensors
 
 
 def check_context(config: ModelArgs, prompt_len: int, max_new_tokens: int):

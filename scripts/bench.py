@@ -254,7 +254,8 @@ class TokenTimer:
         self.times, self.prompt_seen, self.t0 = [], False, time.perf_counter()
 
     def __call__(self, token):
-        self.sync()
+        if token.device.type != "cpu":  # brisk hands the host a finished token; transformers a device tensor
+            self.sync()
         self.times.append(time.perf_counter())
 
     def put(self, value):  # transformers streamer: the first call carries the prompt

@@ -4,7 +4,7 @@ import torch
 import torch._dynamo
 
 from conftest import FAMILIES, make_hf_model, save_and_convert
-from decode import generate
+from decode import decode_one_token, generate
 from load import load_model
 from model import ModelArgs
 
@@ -107,6 +107,37 @@ def test_batch_rows_equal_single(converted):
     single = generate(model, prompt, 16, temperature=0.0)
     batched = generate(model, prompt, 16, batch_size=3, temperature=0.0)
     assert all(row.tolist() == single[0].tolist() for row in batched)
+
+
+def test_generate_streams_while_the_next_step_is_queued(converted):
+    """generate() queues step n+1 before it hands token n to the callback: the callback gets each
+    token on the host, in order, and an end of sequence stops it where a loop that recomputes the
+    whole sequence for every token stops, with at most one step wasted past it."""
+    _, path = converted("llama31")
+    model = load_model(path)
+    prompt = torch.tensor([5, 17, 99, 3, 42, 7])
+    with torch.no_grad():
+        ids = prompt[None]
+        for _ in range(12):  # the reference: no cache, no queue
+            ids = torch.cat([ids, our_logits(model, ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    reference = ids[0, 6:].tolist()
+    eos = reference[7]
+    assert eos not in reference[:7], "pick another prompt: the end token comes earlier"
+    calls, streamed = [], []
+
+    def counting_step(*args, **kwargs):
+        calls.append(1)
+        return decode_one_token(*args, **kwargs)
+
+    def on_token(token):
+        assert token.device.type == "cpu" and token.shape == (1,)
+        streamed.append(int(token[0]))
+    out = generate(model, prompt, 12, eos_ids=[eos], callback=on_token, decode_fn=counting_step)
+    assert out[0, 6:].tolist() == reference[:8] == streamed  # the end token is the last one
+    assert len(calls) == 8  # steps for tokens 2..8, and the one queued past the end
+    calls.clear()
+    assert generate(model, prompt, 12, decode_fn=counting_step)[0, 6:].tolist() == reference
+    assert len(calls) == 11  # no end token: no step past the last
 
 
 def test_presets_exact_names():
