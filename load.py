@@ -220,17 +220,25 @@ def load_model(checkpoint_path, device="cpu", precision: torch.dtype = torch.flo
     shard, cut while the weights are still memory-mapped, so only the shard reaches the device.
     """
     config = checkpoint_config(checkpoint_path)
+    state_dict, quantization = read_checkpoint(checkpoint_path)
+    return build_model(config, state_dict, quantization, device, precision, tp, source=checkpoint_path)
+
+
+def build_model(config: ModelArgs, state_dict: dict, quantization: Optional[dict], device="cpu",
+                precision: torch.dtype = torch.float32, tp: Optional[Dist] = None,
+                source="the state dict") -> Transformer:
+    """load_model's work on a state dict already in hand (quantize.quantize_state_dict's output and
+    its metadata too): scripts/roofline.py builds random models on the device without a file."""
     with torch.device("meta"):
         model = Transformer(config)
-    state_dict, quantization = read_checkpoint(checkpoint_path)
     if quantization is not None:
         import quantized
         try:
             quantized.prepare_model(model, quantization)
         except (AttributeError, KeyError, TypeError) as e:  # metadata naming modules the config does not build
-            raise ValueError(f"the quantization metadata in {checkpoint_path} does not fit config.json ({e!r}); "
+            raise ValueError(f"the quantization metadata in {source} does not fit config.json ({e!r}); "
                              "quantize the model again from its full-precision model.pth") from None
-    check_state_dict(model, with_tied_output(state_dict, config), checkpoint_path)
+    check_state_dict(model, with_tied_output(state_dict, config), source)
     model.load_state_dict(with_tied_output(state_dict, config), assign=True, strict=True)
     if config.tie_embeddings and quantization is None:
         model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
