@@ -20,7 +20,7 @@ import generate
 import quantize
 from conftest import make_hf_model, save_and_convert, save_tokenizer
 from load import atomic_save, atomic_write_text
-from scripts import bench, convert_gguf, convert_hf_checkpoint, default_model, download, profile_decode
+from scripts import bench, convert_gguf, convert_hf_checkpoint, default_model, download, profile_decode, roofline
 from test_tokenizer import train_bpe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,7 +154,12 @@ def test_quantize_flag(ckpt, argv, needle, capsys):
     (bench.cli, ["--rounds", "0"], "--rounds"),
     (bench.cli, ["--threads", "-1"], "--threads"),
     (convert_gguf.main, ["--gguf", "x.gguf", "--output_dir", "out", "--dtype", "int8"], "--dtype"),
-], ids=["profile new_tokens 0", "profile prompt_tokens -3", "bench rounds 0", "bench threads -1", "gguf dtype int8"])
+    (roofline.main, ["--precisions", "bf16,int3"], "--precisions"),
+    (roofline.main, ["--new_tokens", "2"], "--new_tokens"),
+    (roofline.main, ["--model", "llama-9b"], "llama-9b"),
+    (roofline.main, ["--device", "tpu"], "tpu"),
+], ids=["profile new_tokens 0", "profile prompt_tokens -3", "bench rounds 0", "bench threads -1", "gguf dtype int8",
+        "roofline precision", "roofline new_tokens 2", "roofline model", "roofline device"])
 def test_script_flag(tmp_path, main, argv, needle, capsys):
     code, _, err = call(main, argv, capsys, tmp_path)
     assert_clean_error(code, err, needle)

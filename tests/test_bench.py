@@ -54,3 +54,34 @@ def test_cpu_isa_agrees_with_torch():
         assert {"avx512f", "avx512bw", "avx512vl", "avx2"} <= flags
     if capability.startswith("AVX2"):
         assert "avx2" in flags
+
+
+def test_roofline_smoke(tmp_path, capsys):
+    """scripts/roofline.py on the CPU: random weights of a config's shape, each precision, the peer,
+    the profile; the bytes a step reads counted by brisk and by transformers' own parameters agree."""
+    from model import ModelArgs
+    from scripts import roofline
+    ModelArgs(n_layer=2, dim=64, n_head=4, n_local_heads=2, vocab_size=320, intermediate_size=128,
+              block_size=128).to_json(tmp_path / "config.json")
+    out = tmp_path / "roofline.json"
+    roofline.main(["--model", str(tmp_path / "config.json"), "--device", "cpu", "--no-compile",
+                   "--precisions", "fp32,int8,int4", "--new_tokens", "8", "--roofline_gb", "0.05", "--peer",
+                   "--profile", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["roofline_gbps"] > 0 and json.loads(capsys.readouterr().out) == report
+    rows = {(r["system"], r["precision"]): r for r in report["rows"]}
+    assert set(rows) == {("brisk", "fp32"), ("transformers", "fp32"), ("brisk", "int8"), ("brisk", "int4")}
+    assert not [r["error"] for r in rows.values() if "error" in r]
+    for r in rows.values():
+        assert r["synced_tok_s"] > 0 and r["synced_roofline"] > 0
+    for p in ("fp32", "int8", "int4"):
+        assert rows["brisk", p]["streamed_tok_s"] > 0 and rows["brisk", p]["unread_tok_s"] > 0
+        assert rows["brisk", p]["host_ms_per_step"] > 0
+    # 2 layers of q, k, v, o (64x64, 32x64 twice, 64x64), w1, w3, w2 (128x64) and norms, the final
+    # norm and the output (320x64: whole blocks of kernels.cpp's packing), in fp32; of the embedding
+    # table a step reads one row.
+    layer = 64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3 + 64 * 2
+    assert rows["brisk", "fp32"]["bytes_per_step"] == rows["transformers", "fp32"]["bytes_per_step"] \
+        == 4 * (2 * layer + 64 + 320 * 64)
+    assert rows["brisk", "int4"]["bytes_per_step"] < rows["brisk", "int8"]["bytes_per_step"] \
+        < rows["brisk", "fp32"]["bytes_per_step"] / 3
