@@ -147,6 +147,8 @@ def int8_kernel(device: torch.device, in_features: int, packable: bool = True) -
     """packable: the layer can take kernels.cpp's packed layout (a stack of experts cannot)."""
     if device.type == "cpu" and packable and kernels.best_isa():
         return "packed"
+    if device.type == "cuda":
+        return "fused"  # int8_matmul's form, which a compiled step fuses into one product
     # ATen's CPU kernel needs in_features % 16 == 0: otherwise it returns garbage or crashes.
     return "cpu" if device.type == "cpu" and in_features % 16 == 0 else "dequant"
 
@@ -381,7 +383,7 @@ class QuantizedMoEFeedForward(MoEFeedForward):
                 suffix = "_scales_and_zeros"
             self.kernels[name] = kernel
             scales = getattr(self, name + suffix)
-            setattr(self, name + suffix, scales.to(precision if kernel == "dequant" else KERNEL_DTYPE))
+            setattr(self, name + suffix, scales.to(precision if kernel in ("dequant", "fused") else KERNEL_DTYPE))
 
     def linear(self, x: Tensor, name: str, e) -> Tensor:
         """x [M, in] through projection `name` of expert e."""
