@@ -85,12 +85,15 @@ def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor, **samplin
 def generate(model: Transformer, prompt: Tensor, max_new_tokens: int, *, batch_size: int = 1,
              eos_ids=(), callback: Optional[Callable[[Tensor], None]] = None,
              prefill_fn: Callable = prefill, decode_fn: Callable = decode_one_token,
-             temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None) -> Tensor:
+             temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+             queue_ahead: Optional[bool] = None) -> Tensor:
     """Generate up to max_new_tokens after `prompt` ([T] or [B, T]); returns [B, T + n] token ids.
 
     Stops early once every row has produced one of eos_ids; rows that stopped earlier continue
     with tokens that `trim_at_eos` removes. callback receives each new token column [B] as a CPU
-    tensor, while the device already computes the next one.
+    tensor. queue_ahead (default: on CUDA, whose steps run while the host goes on) queues the next
+    step before the host reads a token, so the device computes it while the host streams this one;
+    on a CPU the step would run first and delay the token.
     """
     if prompt.dim() == 1:
         prompt = prompt.unsqueeze(0).expand(batch_size, -1)
@@ -111,22 +114,27 @@ def generate(model: Transformer, prompt: Tensor, max_new_tokens: int, *, batch_s
     token = prefill_fn(model, prompt, **sampling)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     watch = callback is not None or eos.numel() > 0
+    if queue_ahead is None:
+        queue_ahead = device.type == "cuda"
+
+    def step(n: int) -> Tensor:
+        with skip_guards(n > 1):  # from the second step on, the first step's guards hold
+            return decode_fn(model, token.clone(), positions[n - 1:n], **sampling)[0]
     n = 0
     for n in range(1, max_new_tokens + 1):
         seq[:, T + n - 1] = token[:, 0]
         finished |= torch.isin(token[:, 0], eos)
         ready = HostCopy(token[:, 0], finished.all()) if watch else None
-        if n < max_new_tokens:
-            # The next step is queued before this token is read: the device computes it while the
-            # host streams this one and checks for the end (a step queued past the end is wasted).
-            with skip_guards(n > 1):  # from the second step on, the first step's guards hold
-                token, _ = decode_fn(model, token.clone(), positions[n - 1:n], **sampling)
+        if queue_ahead and n < max_new_tokens:  # a step queued past the end is wasted
+            token = step(n)
         if ready is not None:
             new, done = ready.wait()
             if callback is not None:
                 callback(new)
             if eos.numel() > 0 and bool(done):
                 break
+        if not queue_ahead and n < max_new_tokens:
+            token = step(n)
     return seq[:, :T + n]
 
 

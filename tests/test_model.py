@@ -109,10 +109,11 @@ def test_batch_rows_equal_single(converted):
     assert all(row.tolist() == single[0].tolist() for row in batched)
 
 
-def test_generate_streams_while_the_next_step_is_queued(converted):
-    """generate() queues step n+1 before it hands token n to the callback: the callback gets each
-    token on the host, in order, and an end of sequence stops it where a loop that recomputes the
-    whole sequence for every token stops, with at most one step wasted past it."""
+@pytest.mark.parametrize("queue_ahead", [False, True])
+def test_generate_streams_each_token_once_in_order(converted, queue_ahead):
+    """The callback gets each token on the host, in order, and an end of sequence stops generation
+    where a loop that recomputes the whole sequence for every token stops; queue_ahead (CUDA's
+    default) queues step n+1 before token n is read, which wastes one step past the end."""
     _, path = converted("llama31")
     model = load_model(path)
     prompt = torch.tensor([5, 17, 99, 3, 42, 7])
@@ -132,11 +133,12 @@ def test_generate_streams_while_the_next_step_is_queued(converted):
     def on_token(token):
         assert token.device.type == "cpu" and token.shape == (1,)
         streamed.append(int(token[0]))
-    out = generate(model, prompt, 12, eos_ids=[eos], callback=on_token, decode_fn=counting_step)
+    out = generate(model, prompt, 12, eos_ids=[eos], callback=on_token, decode_fn=counting_step,
+                   queue_ahead=queue_ahead)
     assert out[0, 6:].tolist() == reference[:8] == streamed  # the end token is the last one
-    assert len(calls) == 8  # steps for tokens 2..8, and the one queued past the end
+    assert len(calls) == 7 + queue_ahead  # steps for tokens 2..8 (and the one queued past the end)
     calls.clear()
-    assert generate(model, prompt, 12, decode_fn=counting_step)[0, 6:].tolist() == reference
+    assert generate(model, prompt, 12, decode_fn=counting_step, queue_ahead=queue_ahead)[0, 6:].tolist() == reference
     assert len(calls) == 11  # no end token: no step past the last
 
 
