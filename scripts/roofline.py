@@ -274,7 +274,8 @@ def run(args, config: ModelArgs, device: str, precisions: list):
     def save():
         if args.out:
             load.atomic_write_text(args.out, json.dumps(report, indent=1))
-    rows = [(p, s) for p in precisions for s in ("brisk", "transformers") if s == "brisk" or (args.peer and p in DTYPES)]
+    peers = ("transformers",) if args.peer else ()
+    rows = [(p, s) for p in precisions for s in ("brisk", *peers) if s == "brisk" or p in DTYPES]
     for precision, system in rows:
         row = dict(system=system, precision=precision)
         try:
@@ -308,7 +309,8 @@ def run(args, config: ModelArgs, device: str, precisions: list):
         log(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                         if k not in ("tokens", "top_kernels")}))
         for k in row.get("top_kernels", []):
-            log(f"    {k['ms_per_step']:.3f} ms/step {k['calls_per_step']:6.1f} calls {k['mean_us']:7.1f} us  {k['name']}")
+            log(f"    {k['ms_per_step']:.3f} ms/step {k['calls_per_step']:6.1f} calls {k['mean_us']:7.1f} us  "
+                f"{k['name']}")
     print(json.dumps(report, indent=1))
 
 
