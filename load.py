@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import os
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -287,3 +288,25 @@ def model_bytes(model: Transformer) -> int:
             size = size * model.config.num_activated_experts // model.config.num_experts
         total += size
     return total
+
+
+def step_bytes(model: Transformer) -> int:
+    """model_bytes less an embedding table the output does not share: a decode step reads one row of it."""
+    output = {id(t) for t in itertools.chain(model.output.parameters(), model.output.buffers())}
+    table = itertools.chain(model.tok_embeddings.parameters(), model.tok_embeddings.buffers())
+    return model_bytes(model) - sum(t.numel() * t.element_size() for t in table if id(t) not in output)
+
+
+def streaming_read_gbps(device, nbytes: int) -> float:
+    """The device's memory bandwidth as benchmarks measure it: GB/s of a sum over nbytes (far
+    beyond the caches), best of 10."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    x.sum()
+    best = float("inf")
+    for _ in range(10):
+        device_sync(device)
+        t0 = time.perf_counter()
+        x.sum()
+        device_sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9

@@ -315,11 +315,7 @@ def worker_brisk(spec: dict) -> dict:
     finish_writing()  # a first run's packed model, written in the background: not beside the timed decode
     timer.start()
     out = decode.generate(model, prompt, N, callback=timer, **fns)
-    embedding = model.tok_embeddings
-    nbytes = load.model_bytes(model)
-    if getattr(model.output, "weight", None) is not getattr(embedding, "weight", None):  # untied, or int8 table
-        nbytes -= tensor_bytes(list(embedding.parameters()) + list(embedding.buffers()))
-    return dict(timer.summary(T), bytes_per_token=nbytes, tokens=out[0, T:T + 32].tolist(),
+    return dict(timer.summary(T), bytes_per_token=load.step_bytes(model), tokens=out[0, T:T + 32].tolist(),
                 compile_s=warmup_s if spec["compile"] else None, activations=str(precision).removeprefix("torch."),
                 start_s=start_s,
                 **device_memory(device))
@@ -360,19 +356,8 @@ def worker_transformers(spec: dict) -> dict:
 
 def worker_roofline(spec: dict) -> dict:
     """Streaming read bandwidth of the device: sum over a tensor far larger than the caches, best of 10."""
-    import torch
-    from load import device_sync
-    device = spec["device"]
-    x = torch.ones(spec["roofline_bytes"] // 4, dtype=torch.float32, device=device)
-    x.sum()
-    best = float("inf")
-    for _ in range(10):
-        device_sync(device)
-        t0 = time.perf_counter()
-        x.sum()
-        device_sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return dict(bandwidth_gbps=x.numel() * 4 / best / 1e9)
+    from load import streaming_read_gbps
+    return dict(bandwidth_gbps=streaming_read_gbps(spec["device"], spec["roofline_bytes"]))
 
 
 def device_memory(device: str) -> dict:

@@ -77,29 +77,8 @@ def random_model(config: ModelArgs, device: str, precision: str, activations: to
     return model
 
 
-def bytes_read_per_step(model: Transformer) -> int:
-    """load.model_bytes less an embedding table not shared with the output: a step reads one row of it."""
-    output = {id(t) for t in (*model.output.parameters(), *model.output.buffers())}
-    embedding = [t for t in (*model.tok_embeddings.parameters(), *model.tok_embeddings.buffers())
-                 if id(t) not in output]
-    return load.model_bytes(model) - sum(t.numel() * t.element_size() for t in embedding)
-
-
-def streaming_read(device: str, nbytes: int) -> float:
-    """GB/s of a sum over nbytes (far beyond the caches), best of 10."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    x.sum()
-    best = float("inf")
-    for _ in range(10):
-        load.device_sync(device)
-        t0 = time.perf_counter()
-        x.sum()
-        load.device_sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
-
-
-def timed_generate(model, prompt, new_tokens, decode_fn, device, callback=None) -> float:
+def timed_generate(model, prompt, new_tokens, decode_fn, device, callback=None) -> tuple:
+    """(seconds, tokens) of one generation, from the device idle to the device idle."""
     load.device_sync(device)
     t0 = time.perf_counter()
     out = decode.generate(model, prompt, new_tokens, decode_fn=decode_fn, callback=callback)
@@ -268,7 +247,7 @@ def run(args, config: ModelArgs, device: str, precisions: list):
     report = dict(model=args.model, config=config.__dict__, device=device, torch=torch.__version__,
                   gpu=torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
                   compile=args.compile, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, rows=[])
-    report["roofline_gbps"] = streaming_read(device, int(args.roofline_gb * 1e9))
+    report["roofline_gbps"] = load.streaming_read_gbps(device, int(args.roofline_gb * 1e9))
     log(f"{report['gpu'] or device}: streaming read {report['roofline_gbps']:.0f} GB/s")
 
     def save():
@@ -283,7 +262,7 @@ def run(args, config: ModelArgs, device: str, precisions: list):
             if system == "brisk":
                 model = random_model(config, device, precision, DTYPES[args.activations], args.groupsize)
                 row["build_s"] = time.perf_counter() - t0
-                row["bytes_per_step"] = bytes_read_per_step(model)
+                row["bytes_per_step"] = load.step_bytes(model)
                 try:
                     row.update(measure_decode(model, device, args.compile, args.prompt_tokens, args.new_tokens,
                                               args.profile))
