@@ -117,7 +117,7 @@ def generate(model: Transformer, prompt: Tensor, max_new_tokens: int, *, batch_s
     if queue_ahead is None:
         queue_ahead = device.type == "cuda"
 
-    def step(n: int) -> Tensor:
+    def step(n: int, token: Tensor) -> Tensor:  # the token after `token`, at position T + n - 1
         with skip_guards(n > 1):  # from the second step on, the first step's guards hold
             return decode_fn(model, token.clone(), positions[n - 1:n], **sampling)[0]
     n = 0
@@ -126,7 +126,7 @@ def generate(model: Transformer, prompt: Tensor, max_new_tokens: int, *, batch_s
         finished |= torch.isin(token[:, 0], eos)
         ready = HostCopy(token[:, 0], finished.all()) if watch else None
         if queue_ahead and n < max_new_tokens:  # a step queued past the end is wasted
-            token = step(n)
+            token = step(n, token)
         if ready is not None:
             new, done = ready.wait()
             if callback is not None:
@@ -134,7 +134,7 @@ def generate(model: Transformer, prompt: Tensor, max_new_tokens: int, *, batch_s
             if eos.numel() > 0 and bool(done):
                 break
         if not queue_ahead and n < max_new_tokens:
-            token = step(n)
+            token = step(n, token)
     return seq[:, :T + n]
 
 
