@@ -602,7 +602,6 @@ bool attention_supported();  // attention.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("best_isa", &best_isa);
   m.def("has_bf16_dot", &has_bf16_dot);
-  m.def("has_amx", &has_amx);
   m.def("attention_supported", &attention_supported);
 }
 
