@@ -138,6 +138,99 @@ def release_pages(t: Tensor) -> None:
     libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
 
 
+HUGE_PAGE = 2 << 20  # x86-64's and most arm64 kernels' transparent huge page
+
+
+def huge_pages_available() -> bool:
+    """Whether the OS backs memory that asks for it (MADV_HUGEPAGE) with huge pages: Linux's
+    transparent huge pages "always" or "madvise"."""
+    try:
+        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
+def huge_share(path) -> float:
+    """The share of this process's mapping of the file at path that is mapped in 2 MB pages, its
+    pages faulted in first (MADV_POPULATE_READ: those a step would fault anyway); 0 where nothing
+    tells (off Linux, a kernel before 5.14)."""
+    if not sys.platform.startswith("linux"):
+        return 0.0
+    import ctypes
+    path, mapped, huge, vma = str(Path(path).resolve()), 0, 0, False
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) > 5 and fields[5].rstrip("\n") == path:
+                lo, hi = (int(a, 16) for a in fields[0].split("-"))
+                if libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 22) != 0:  # MADV_POPULATE_READ
+                    return 0.0
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if fields[0].endswith(":"):
+                if vma and fields[0] == "Rss:":
+                    mapped += int(fields[1])
+                elif vma and fields[0] == "FilePmdMapped:":
+                    huge += int(fields[1])
+            else:
+                vma = len(fields) > 5 and line.split(maxsplit=5)[5].rstrip("\n") == path
+    return huge / mapped if mapped else 0.0
+
+
+def into_huge_pages(model: nn.Module) -> None:
+    """Move the model's CPU tensors into one block of memory backed by 2 MB pages, in place: a
+    decode step streams every weight once, and over 4 KB pages the products read slower (a TLB
+    miss and a hardware prefetcher stopped at every 4 KB, the page tables walked through the VM's
+    too; README, How it works). A mapped file's pages are as large as the page cache's folios
+    happen to be: 2 MB where the file was written lately, 4 KB where it was read back after the OS
+    evicted it; freshly packed weights are the allocator's, in 4 KB pages. Tensors that shared a
+    storage share one still; each storage is copied and let go in turn (a mapped file's pages given
+    back: release_pages), so that the copy does not double the resident memory. Off Linux, or with
+    huge pages off, nothing happens."""
+    if not sys.platform.startswith("linux") or not huge_pages_available():
+        return
+    import mmap
+    uses, size = {}, 0  # storage -> its offset in the block, and the (holder, name, tensor) on it
+    for m in model.modules():
+        attrs = [(m._parameters, k, t) for k, t in m._parameters.items()]
+        attrs += [(m._buffers, k, t) for k, t in m._buffers.items()]
+        attrs += [(m.__dict__, k, t) for k, t in vars(m).items() if isinstance(t, Tensor)]
+        for holder, name, t in attrs:
+            if t is None or t.device.type != "cpu" or t.untyped_storage().nbytes() == 0:
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key not in uses:
+                uses[key], size = (size, []), size + -(-t.untyped_storage().nbytes() // 64) * 64
+            uses[key][1].append((holder, name, t))
+    if size < HUGE_PAGE:
+        return
+    region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    start = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+    while uses:
+        offset, users = uses.popitem()[1]
+        move_storage(region, start + offset, users)
+        del users
+        trim_heap()  # the storage just copied, where it was the allocator's
+
+
+def move_storage(region, offset: int, users: list) -> None:
+    """into_huge_pages for the tensors on one storage, (holder, name, tensor) each: to region[offset:],
+    a storage of its own there (torch.save keeps tensors of different types apart)."""
+    old = users[0][2].untyped_storage()
+    new = torch.frombuffer(region, dtype=torch.uint8, count=old.nbytes(), offset=offset)
+    new.copy_(torch.empty(0, dtype=torch.uint8).set_(old))
+    views = [torch.empty(0, dtype=t.dtype).set_(new.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+             for _, _, t in users]
+    for (holder, name, t), moved in zip(users, views):  # a parameter held twice is moved twice, to the same place
+        if isinstance(t, nn.Parameter):
+            t.data = moved
+        else:
+            holder[name] = moved
+    release_pages(torch.empty(0, dtype=torch.uint8).set_(old))
+
+
 def trim_heap() -> None:
     """Give the allocator's free memory back to the OS (glibc's malloc_trim; elsewhere nothing). A
     weight replaced by its packed copy, and the temporaries of packing, are freed into the heap,

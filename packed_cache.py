@@ -8,7 +8,10 @@ so that the next start maps it instead of loading and packing again.
 Packing reads every weight and writes a copy, each new page of which the OS must first zero: for a
 1B model seconds of every start, most of it in fp32 and in a bf16 model cast from an fp32 checkpoint.
 Mapped from the page cache, the packed copy costs almost nothing until a step reads it, and two
-processes share its pages, as llama.cpp's mapped GGUF does.
+processes share its pages, as llama.cpp's mapped GGUF does. That holds while the page cache keeps
+the file as it was written, in 2 MB pages; read back after the OS evicted it, the file comes in 4 KB
+pages, which a step reads slower, and the weights are copied into memory of 2 MB pages instead
+(kernels.into_huge_pages), as are freshly packed ones.
 
 The file is `torch.save` of the whole model object, loaded with `weights_only=False`: the packed
 modules are brisk's own classes, and this file is brisk's own output, written in the same folder
@@ -34,7 +37,7 @@ from typing import Optional
 import torch
 
 from compiling import code_digest, machine_digest
-from kernels import best_isa, pack_for_cpu, register_fake
+from kernels import best_isa, huge_share, into_huge_pages, pack_for_cpu, register_fake
 from load import Dist, atomic_save, load_model
 from model import Transformer
 
@@ -70,8 +73,11 @@ def load_packed(checkpoint_path, device="cpu", precision: torch.dtype = torch.fl
     if path is not None and path.is_file():
         model = read(path)
         if model is not None:
+            if huge_share(path) < 0.8:  # in the page cache in 4 KB pages: read back after an eviction
+                into_huge_pages(model)
             return model
     model = pack_for_cpu(load_model(checkpoint_path, device, precision))
+    into_huge_pages(model)
     if path is not None:
         keep(model, path)
     return model

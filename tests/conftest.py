@@ -61,6 +61,20 @@ FAMILIES = {
 }
 
 
+def huge_page_memory(t: torch.Tensor) -> bool:
+    """Whether t lies in memory advised to be backed by huge pages (MADV_HUGEPAGE: "hg" in smaps)."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            fields = line.split()
+            if not fields[0].endswith(":"):
+                lo, hi = (int(a, 16) for a in fields[0].split("-"))
+                inside = lo <= t.data_ptr() < hi
+            elif inside and fields[0] == "VmFlags:":
+                return "hg" in fields[1:]
+    return False
+
+
 def kernel_isas() -> list:
     """Every instruction set kernels.cpp has code for that this CPU runs (AVX-512 CPUs run AVX2's)."""
     import kernels

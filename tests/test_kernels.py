@@ -14,7 +14,7 @@ from torch import nn
 
 import kernels
 import quantized
-from conftest import kernel_isas, make_hf_model, save_and_convert
+from conftest import huge_page_memory, kernel_isas, make_hf_model, save_and_convert
 from load import load_model
 from model import RMSNorm
 
@@ -143,6 +143,28 @@ def test_packed_bf16_model_matches_unpacked(bf16_dot, family, tmp_path):
             logits.append(model(ids, torch.arange(40)).float())
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert float((logits[1] - logits[0]).norm() / logits[0].norm()) < 2e-2
+
+
+@pytest.mark.skipif(not kernels.huge_pages_available(), reason="this OS backs no memory with huge pages")
+def test_into_huge_pages_moves_every_tensor_and_keeps_what_shares_one():
+    """Values, parameters (the same objects), a view of a weight, a parameter held twice (a plain
+    attribute too: PackedEmbedding holds the output's packed weight so): all in one block that starts
+    on a 2 MB boundary and asks for huge pages; the outputs unchanged."""
+    model = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 3))
+    model.register_buffer("rows", model[0].weight.detach()[2:5])
+    model.alias = model[0].bias
+    weight, x = model[0].weight, torch.randn(2, 1000)
+    with torch.no_grad():
+        before = model(x)
+        kernels.into_huge_pages(model)
+        assert torch.equal(model(x), before)
+    assert model[0].weight is weight and isinstance(weight, nn.Parameter) and model.alias is model[0].bias
+    assert model.rows.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+    assert torch.equal(model.rows, weight[2:5])
+    starts = sorted(t.untyped_storage().data_ptr() for t in model.state_dict().values())
+    assert starts[0] % kernels.HUGE_PAGE == 0
+    assert starts[-1] - starts[0] < 5 << 20  # one block
+    assert all(huge_page_memory(t) for t in model.state_dict().values())
 
 
 def test_pack_for_cpu_packs_what_kernels_cpp_multiplies():

@@ -1,5 +1,6 @@
 """packed_cache.py: a second load maps the model the first one packed and kept, its tensors read from
-that file, and computes what a model packed afresh computes; a changed checkpoint, a damaged file, a
+that file (or copied into huge pages where the page cache holds it in small ones), and computes what a
+model packed afresh computes; a changed checkpoint, a damaged file, a
 full disk or "off" never serve a stale model nor stop a run."""
 import itertools
 import os
@@ -18,7 +19,7 @@ import kernels
 import packed_cache
 import quantize
 from compiling import structure_digest
-from conftest import make_hf_model, save_and_convert
+from conftest import huge_page_memory, make_hf_model, save_and_convert
 from load import load_model
 
 
@@ -91,6 +92,57 @@ def test_a_second_load_maps_the_kept_model(family, mode, cache, tmp_path):
     assert shared_embedding(second) == shared_embedding(first)  # a tied weight stays one tensor
     for a, b in zip(outputs(second), outputs(afresh)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not kernels.huge_pages_available(), reason="this OS backs no memory with huge pages")
+@pytest.mark.parametrize("family, mode", [("llama32", "float32"), ("qwen2", "int8"), ("gemma2", "int4")])
+def test_weights_read_back_in_small_pages_move_into_huge_pages(family, mode, cache, tmp_path, monkeypatch):
+    """A kept file the page cache holds in 4 KB pages (read back after an eviction): the weights are
+    copied into memory of 2 MB pages, tensors that shared a storage still share one, the file's
+    pages leave the process, and the model computes what a model packed afresh computes. A tiny
+    model is smaller than a huge page: the size that decides it is made smaller too."""
+    monkeypatch.setattr(kernels, "HUGE_PAGE", 64 << 10)
+    path, precision = checkpoint(family, mode, tmp_path)
+    first = load_packed(path, "cpu", precision)  # packed here, then moved: the file is written from the moved copy
+    (file,) = kept(cache)
+    assert all(huge_page_memory(t) for t in first.state_dict().values() if t.numel())
+    monkeypatch.setattr(packed_cache, "huge_share", lambda p: 0.0)
+    second = load_packed(path, "cpu", precision)
+    tensors = [t for t in second.state_dict(keep_vars=True).values() if t.numel()]
+    assert all(huge_page_memory(t) and mapped_file(t) != str(file) for t in tensors)
+    assert all(t.data_ptr() % 64 == 0 for t in tensors)
+    assert not any(line.rstrip().endswith(str(file)) for line in open("/proc/self/maps")), "the file is still mapped"
+    assert shared_embedding(second) == shared_embedding(first)
+    afresh = kernels.pack_for_cpu(load_model(path, "cpu", precision))
+    assert structure_digest(second) == structure_digest(afresh)
+    for a, b in zip(outputs(second), outputs(afresh)):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(packed_cache, "huge_share", lambda p: 1.0)  # kept in 2 MB pages: mapped, not copied
+    third = load_packed(path, "cpu", precision)
+    assert all(mapped_file(t) == str(file) for t in third.state_dict().values() if t.numel() > 1)
+
+
+def test_huge_share_faults_the_mapping_in(cache, tmp_path):
+    """huge_share: the share of a mapped file's resident pages mapped 2 MB at a time, after faulting
+    them in (a mapping nothing has read yet would say nothing); 0 for a file not mapped."""
+    path = tmp_path / "weights.pt"
+    torch.save({"w": torch.randn(1 << 20)}, path)
+    assert kernels.huge_share(path) == 0.0
+    w = torch.load(path, mmap=True)["w"]
+
+    def resident() -> int:
+        with open("/proc/self/smaps") as smaps:
+            inside, rss = False, 0
+            for line in smaps:
+                fields = line.split()
+                if not fields[0].endswith(":"):
+                    inside = line.rstrip().endswith(str(path))
+                elif inside and fields[0] == "Rss:":
+                    rss += int(fields[1]) << 10
+            return rss
+    before = resident()
+    assert 0.0 <= kernels.huge_share(path) <= 1.0
+    assert resident() >= max(before, w.numel() * 4)
 
 
 def test_a_changed_checkpoint_is_packed_again(cache, tmp_path):
