@@ -7,7 +7,7 @@
 Systems: brisk eager and --compile (with --compile_prefill), transformers generate() (plain, and
 its static cache + torch.compile recipe), llama.cpp's llama-bench (built by
 scripts/bench_llamacpp.sh; skipped with a line when missing), all at batch 1 on the same weights:
-fp32 / bf16 / int8 / int4 / int4-sym, where llama.cpp runs F32 / BF16 / Q8_0 / Q4_0 / Q4_0 GGUFs
+fp32 / bf16 / int8 / int4 / int4-sym, where llama.cpp runs F32 / BF16 / Q8_0 / Q4_1 / Q4_0 GGUFs
 converted from the same HF weights. Every measurement runs in its own process (clean memory and
 thread state) and the rounds alternate over all of them, so that machine noise hits every side
 alike; the tables keep the best round. Each round also measures the memory roofline (a streaming
@@ -36,8 +36,9 @@ from errors import error_boundary, positive_int  # noqa: E402
 SYSTEMS = ("brisk", "brisk-compile", "transformers", "transformers-compile", "llama.cpp")
 DEFAULT_SYSTEMS = ("brisk", "brisk-compile", "transformers", "llama.cpp")  # transformers' compile takes minutes
 PRECISIONS = ("fp32", "bf16", "int8", "int4", "int4-sym")
-# int4-sym (quantize.py's) is Q4_0's own grid; int4 (asymmetric, 5 bits a weight) is compared with it too.
-GGUF_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0", "int4-sym": "Q4_0"}
+# Each against the GGUF type of its own format and bits a weight: int4 (a scale and a zero per 32: 5 bits)
+# against Q4_1 (a scale and a minimum per 32: 5 bits); int4-sym (a scale per 32: 4.5 bits) is Q4_0's grid.
+GGUF_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1", "int4-sym": "Q4_0"}
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 INT4_GROUPSIZE = 32  # like Q4_0's blocks of 32
 SHORT_PROMPT = 16  # tokens; synthetic prompts like generate.py's --synthetic_prompt_len N
