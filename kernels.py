@@ -150,48 +150,13 @@ def huge_pages_available() -> bool:
         return False
 
 
-def huge_share(path) -> float:
-    """The share of this process's mapping of the file at path that is mapped in 2 MB pages, its
-    pages faulted in first (MADV_POPULATE_READ: those a step would fault anyway); 0 where nothing
-    tells (off Linux, a kernel before 5.14)."""
-    if not sys.platform.startswith("linux"):
-        return 0.0
-    import ctypes
-    path, mapped, huge, vma = str(Path(path).resolve()), 0, 0, False
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) > 5 and fields[5].rstrip("\n") == path:
-                lo, hi = (int(a, 16) for a in fields[0].split("-"))
-                if libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 22) != 0:  # MADV_POPULATE_READ
-                    return 0.0
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            fields = line.split()
-            if fields[0].endswith(":"):
-                if vma and fields[0] == "Rss:":
-                    mapped += int(fields[1])
-                elif vma and fields[0] == "FilePmdMapped:":
-                    huge += int(fields[1])
-            else:
-                vma = len(fields) > 5 and line.split(maxsplit=5)[5].rstrip("\n") == path
-    return huge / mapped if mapped else 0.0
-
-
-def into_huge_pages(model: nn.Module) -> None:
-    """Move the model's CPU tensors into one block of memory backed by 2 MB pages, in place: a
-    decode step streams every weight once, and over 4 KB pages the products read slower (a TLB
-    miss and a hardware prefetcher stopped at every 4 KB, the page tables walked through the VM's
-    too; README, How it works). A mapped file's pages are as large as the page cache's folios
-    happen to be: 2 MB where the file was written lately, 4 KB where it was read back after the OS
-    evicted it; freshly packed weights are the allocator's, in 4 KB pages. Tensors that shared a
-    storage share one still; each storage is copied and let go in turn (a mapped file's pages given
-    back: release_pages), so that the copy does not double the resident memory. Off Linux, or with
-    huge pages off, nothing happens."""
-    if not sys.platform.startswith("linux") or not huge_pages_available():
-        return
-    import mmap
-    uses, size = {}, 0  # storage -> its offset in the block, and the (holder, name, tensor) on it
+def streamed_storages(model: nn.Module) -> dict:
+    """The storages of the CPU tensors a step reads whole: every one but a token embedding table
+    the output projection does not share (a step gathers a row or two of it), each with the
+    (holder, name, tensor) of every tensor on it, holder the dict that holds it (a module's
+    parameters, buffers or attributes)."""
+    gathered = {id(m) for m in getattr(model, "tok_embeddings", nn.Identity()).modules()}
+    uses, whole = {}, set()
     for m in model.modules():
         attrs = [(m._parameters, k, t) for k, t in m._parameters.items()]
         attrs += [(m._buffers, k, t) for k, t in m._buffers.items()]
@@ -200,17 +165,69 @@ def into_huge_pages(model: nn.Module) -> None:
             if t is None or t.device.type != "cpu" or t.untyped_storage().nbytes() == 0:
                 continue
             key = t.untyped_storage().data_ptr()
-            if key not in uses:
-                uses[key], size = (size, []), size + -(-t.untyped_storage().nbytes() // 64) * 64
-            uses[key][1].append((holder, name, t))
+            uses.setdefault(key, []).append((holder, name, t))
+            if id(m) not in gathered:
+                whole.add(key)
+    return {key: users for key, users in uses.items() if key in whole}
+
+
+def huge_share(model: nn.Module) -> float:
+    """The share of the pages of the file-mapped tensors a step reads whole that are mapped 2 MB at
+    a time, faulted in first (MADV_POPULATE_READ: pages a step would fault anyway); 0 where nothing
+    tells (off Linux, a kernel before 5.14, nothing mapped from a file)."""
+    if not sys.platform.startswith("linux"):
+        return 0.0
+    import ctypes
+    import mmap
+    starts = []
+    for users in streamed_storages(model).values():
+        storage = users[0][2].untyped_storage()
+        start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        first, last = start // mmap.PAGESIZE * mmap.PAGESIZE, -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
+        if in_file_mapping(start, end):
+            if libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 22) != 0:  # MADV_POPULATE_READ
+                return 0.0
+            starts.append(start)
+    mapped = huge = 0
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            fields = line.split()
+            if not fields[0].endswith(":"):
+                lo, hi = (int(a, 16) for a in fields[0].split("-"))
+                inside = any(lo <= p < hi for p in starts)
+            elif inside and fields[0] == "Rss:":
+                mapped += int(fields[1])
+            elif inside and fields[0] == "FilePmdMapped:":
+                huge += int(fields[1])
+    return huge / mapped if mapped else 0.0
+
+
+def into_huge_pages(model: nn.Module) -> None:
+    """Move the CPU tensors a step reads whole (streamed_storages) into one block of memory backed
+    by 2 MB pages, in place: a decode step streams every weight once, and over 4 KB pages the
+    products read slower (a TLB miss and a hardware prefetcher stopped at every 4 KB, the page
+    tables walked through the VM's too; README, How it works). A mapped file's pages are as large
+    as the page cache's folios happen to be: 2 MB where the file was written lately, 4 KB where it
+    was read back after the OS evicted it; freshly packed weights are the allocator's, in 4 KB
+    pages. Tensors that shared a storage share one still; each storage is copied and let go in
+    turn (a mapped file's pages given back: release_pages), so that the copy does not double the
+    resident memory. An untied embedding table stays where it is: mapped, only the rows read are
+    resident. Off Linux, or with huge pages off, nothing happens."""
+    if not sys.platform.startswith("linux") or not huge_pages_available():
+        return
+    import mmap
+    uses, offsets, size = streamed_storages(model), {}, 0
+    for key, users in uses.items():
+        offsets[key], size = size, size + -(-users[0][2].untyped_storage().nbytes() // 64) * 64
     if size < HUGE_PAGE:
         return
     region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
     start = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
     while uses:
-        offset, users = uses.popitem()[1]
-        move_storage(region, start + offset, users)
+        key, users = uses.popitem()
+        move_storage(region, start + offsets[key], users)
         del users
         trim_heap()  # the storage just copied, where it was the allocator's
 

@@ -73,7 +73,7 @@ def load_packed(checkpoint_path, device="cpu", precision: torch.dtype = torch.fl
     if path is not None and path.is_file():
         model = read(path)
         if model is not None:
-            if huge_share(path) < 0.8:  # in the page cache in 4 KB pages: read back after an eviction
+            if huge_share(model) < 0.8:  # in the page cache in 4 KB pages: read back after an eviction
                 into_huge_pages(model)
             return model
     model = pack_for_cpu(load_model(checkpoint_path, device, precision))

@@ -55,8 +55,9 @@ def mapped_file(t: torch.Tensor) -> str:
 
 def shared_embedding(model) -> bool:
     """Whether the embedding reads a tensor of the output projection (a tied weight, one copy)."""
-    def pointers(m):
-        return {t.data_ptr() for t in itertools.chain(m.parameters(), m.buffers())}
+    def pointers(m):  # PackedEmbedding holds the output's packed weight as a plain attribute
+        held = [t for module in m.modules() for t in vars(module).values() if isinstance(t, torch.Tensor)]
+        return {t.data_ptr() for t in itertools.chain(m.parameters(), m.buffers(), held)}
     return bool(pointers(model.tok_embeddings) & pointers(model.output))
 
 
@@ -97,38 +98,47 @@ def test_a_second_load_maps_the_kept_model(family, mode, cache, tmp_path):
 @pytest.mark.skipif(not kernels.huge_pages_available(), reason="this OS backs no memory with huge pages")
 @pytest.mark.parametrize("family, mode", [("llama32", "float32"), ("qwen2", "int8"), ("gemma2", "int4")])
 def test_weights_read_back_in_small_pages_move_into_huge_pages(family, mode, cache, tmp_path, monkeypatch):
-    """A kept file the page cache holds in 4 KB pages (read back after an eviction): the weights are
-    copied into memory of 2 MB pages, tensors that shared a storage still share one, the file's
-    pages leave the process, and the model computes what a model packed afresh computes. A tiny
-    model is smaller than a huge page: the size that decides it is made smaller too."""
+    """A kept file the page cache holds in 4 KB pages (read back after an eviction): the weights a
+    step reads whole are copied into memory of 2 MB pages, tensors that shared a storage still
+    share one, their file pages leave the process, and the model computes what a model packed
+    afresh computes. An untied embedding table (int8 in a quantized model) stays mapped: a step
+    reads a row of it. A tiny model is smaller than a huge page: the size that decides it is made
+    smaller too."""
     monkeypatch.setattr(kernels, "HUGE_PAGE", 64 << 10)
     path, precision = checkpoint(family, mode, tmp_path)
     first = load_packed(path, "cpu", precision)  # packed here, then moved: the file is written from the moved copy
     (file,) = kept(cache)
-    assert all(huge_page_memory(t) for t in first.state_dict().values() if t.numel())
-    monkeypatch.setattr(packed_cache, "huge_share", lambda p: 0.0)
+
+    def split(model) -> tuple:
+        """(the tensors a step reads whole, those of an untied embedding table)."""
+        whole = {id(t) for users in kernels.streamed_storages(model).values() for _, _, t in users}
+        tensors = [t for t in model.state_dict(keep_vars=True).values() if t.numel()]
+        return [t for t in tensors if id(t) in whole], [t for t in tensors if id(t) not in whole]
+    assert all(huge_page_memory(t) for t in split(first)[0])
+    monkeypatch.setattr(packed_cache, "huge_share", lambda model: 0.0)
     second = load_packed(path, "cpu", precision)
-    tensors = [t for t in second.state_dict(keep_vars=True).values() if t.numel()]
-    assert all(huge_page_memory(t) and mapped_file(t) != str(file) for t in tensors)
-    assert all(t.data_ptr() % 64 == 0 for t in tensors)
-    assert not any(line.rstrip().endswith(str(file)) for line in open("/proc/self/maps")), "the file is still mapped"
+    moved, table = split(second)
+    assert moved and all(huge_page_memory(t) and mapped_file(t) != str(file) for t in moved)
+    assert all(t.data_ptr() % 64 == 0 for t in moved)
+    assert all(mapped_file(t) == str(file) for t in table)
+    assert bool(table) == (not shared_embedding(second))
     assert shared_embedding(second) == shared_embedding(first)
     afresh = kernels.pack_for_cpu(load_model(path, "cpu", precision))
     assert structure_digest(second) == structure_digest(afresh)
     for a, b in zip(outputs(second), outputs(afresh)):
         assert torch.equal(a, b)
-    monkeypatch.setattr(packed_cache, "huge_share", lambda p: 1.0)  # kept in 2 MB pages: mapped, not copied
+    monkeypatch.setattr(packed_cache, "huge_share", lambda model: 1.0)  # kept in 2 MB pages: mapped, not copied
     third = load_packed(path, "cpu", precision)
     assert all(mapped_file(t) == str(file) for t in third.state_dict().values() if t.numel() > 1)
 
 
-def test_huge_share_faults_the_mapping_in(cache, tmp_path):
-    """huge_share: the share of a mapped file's resident pages mapped 2 MB at a time, after faulting
-    them in (a mapping nothing has read yet would say nothing); 0 for a file not mapped."""
-    path = tmp_path / "weights.pt"
-    torch.save({"w": torch.randn(1 << 20)}, path)
-    assert kernels.huge_share(path) == 0.0
-    w = torch.load(path, mmap=True)["w"]
+def test_huge_share_faults_the_mapping_in(tmp_path):
+    """huge_share: the share of the file-mapped weights' pages mapped 2 MB at a time, after faulting
+    them in (a mapping nothing has read yet would say nothing); 0 for weights in no file."""
+    path = tmp_path / "linear.pt"
+    torch.save(torch.nn.Linear(1024, 1024), path)
+    assert kernels.huge_share(torch.load(path, weights_only=False)) == 0.0
+    linear = torch.load(path, mmap=True, weights_only=False)
 
     def resident() -> int:
         with open("/proc/self/smaps") as smaps:
@@ -140,9 +150,9 @@ def test_huge_share_faults_the_mapping_in(cache, tmp_path):
                 elif inside and fields[0] == "Rss:":
                     rss += int(fields[1]) << 10
             return rss
-    before = resident()
-    assert 0.0 <= kernels.huge_share(path) <= 1.0
-    assert resident() >= max(before, w.numel() * 4)
+    assert resident() < linear.weight.nbytes
+    assert 0.0 <= kernels.huge_share(linear) <= 1.0
+    assert resident() >= linear.weight.nbytes
 
 
 def test_a_changed_checkpoint_is_packed_again(cache, tmp_path):
