@@ -216,20 +216,26 @@ def into_huge_pages(model: nn.Module) -> None:
     resident. Off Linux, or with huge pages off, nothing happens."""
     if not sys.platform.startswith("linux") or not huge_pages_available():
         return
-    import mmap
     uses, offsets, size = streamed_storages(model), {}, 0
     for key, users in uses.items():
         offsets[key], size = size, size + -(-users[0][2].untyped_storage().nbytes() // 64) * 64
     if size < HUGE_PAGE:
         return
-    region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    start = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+    region, start = huge_page_region(size)
     while uses:
         key, users = uses.popitem()
         move_storage(region, start + offsets[key], users)
         del users
         trim_heap()  # the storage just copied, where it was the allocator's
+
+
+def huge_page_region(nbytes: int) -> tuple:
+    """(an anonymous mapping of nbytes and more, advised MADV_HUGEPAGE, the offset of its first 2 MB
+    boundary): the first nbytes from there are backed by 2 MB pages where the OS has them free."""
+    import mmap
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    return region, -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
 
 
 def move_storage(region, offset: int, users: list) -> None:
