@@ -171,6 +171,23 @@ def streamed_storages(model: nn.Module) -> dict:
     return {key: users for key, users in uses.items() if key in whole}
 
 
+def vma_fields(pointers: list) -> list:
+    """The fields of /proc/self/smaps (name -> the rest of its line, split) of each mapping that
+    holds one of these addresses."""
+    vmas, current = [], None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if not fields[0].endswith(":"):
+                lo, hi = (int(a, 16) for a in fields[0].split("-"))
+                current = {} if any(lo <= p < hi for p in pointers) else None
+                if current is not None:
+                    vmas.append(current)
+            elif current is not None:
+                current[fields[0][:-1]] = fields[1:]
+    return vmas
+
+
 def huge_share(model: nn.Module) -> float:
     """The share of the pages of the file-mapped tensors a step reads whole that are mapped 2 MB at
     a time, faulted in first (MADV_POPULATE_READ: pages a step would fault anyway); 0 where nothing
@@ -188,18 +205,9 @@ def huge_share(model: nn.Module) -> float:
             if libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 22) != 0:  # MADV_POPULATE_READ
                 return 0.0
             starts.append(start)
-    mapped = huge = 0
-    with open("/proc/self/smaps") as smaps:
-        inside = False
-        for line in smaps:
-            fields = line.split()
-            if not fields[0].endswith(":"):
-                lo, hi = (int(a, 16) for a in fields[0].split("-"))
-                inside = any(lo <= p < hi for p in starts)
-            elif inside and fields[0] == "Rss:":
-                mapped += int(fields[1])
-            elif inside and fields[0] == "FilePmdMapped:":
-                huge += int(fields[1])
+    vmas = vma_fields(starts)
+    mapped = sum(int(vma["Rss"][0]) for vma in vmas)
+    huge = sum(int(vma.get("FilePmdMapped", ["0"])[0]) for vma in vmas)
     return huge / mapped if mapped else 0.0
 
 

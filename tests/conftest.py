@@ -63,16 +63,8 @@ FAMILIES = {
 
 def huge_page_memory(t: torch.Tensor) -> bool:
     """Whether t lies in memory advised to be backed by huge pages (MADV_HUGEPAGE: "hg" in smaps)."""
-    with open("/proc/self/smaps") as smaps:
-        inside = False
-        for line in smaps:
-            fields = line.split()
-            if not fields[0].endswith(":"):
-                lo, hi = (int(a, 16) for a in fields[0].split("-"))
-                inside = lo <= t.data_ptr() < hi
-            elif inside and fields[0] == "VmFlags:":
-                return "hg" in fields[1:]
-    return False
+    import kernels
+    return any("hg" in vma["VmFlags"] for vma in kernels.vma_fields([t.data_ptr()]))
 
 
 def kernel_isas() -> list:
