@@ -152,15 +152,17 @@ def test_into_huge_pages_moves_every_tensor_and_keeps_what_shares_one():
     on a 2 MB boundary and asks for huge pages; the outputs unchanged."""
     model = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 3))
     model.register_buffer("rows", model[0].weight.detach()[2:5])
-    model.alias = model[0].bias
+    model.alias = model.rows  # a plain attribute, as PackedEmbedding's
+    model[1].shared = model[0].bias  # one parameter in two modules
     weight, x = model[0].weight, torch.randn(2, 1000)
     with torch.no_grad():
         before = model(x)
         kernels.into_huge_pages(model)
         assert torch.equal(model(x), before)
-    assert model[0].weight is weight and isinstance(weight, nn.Parameter) and model.alias is model[0].bias
+    assert model[0].weight is weight and isinstance(weight, nn.Parameter) and model[1].shared is model[0].bias
     assert model.rows.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
     assert torch.equal(model.rows, weight[2:5])
+    assert "alias" in vars(model) and model.alias.data_ptr() == model.rows.data_ptr() and huge_page_memory(model.alias)
     starts = sorted(t.untyped_storage().data_ptr() for t in model.state_dict().values())
     assert starts[0] % kernels.HUGE_PAGE == 0
     assert starts[-1] - starts[0] < 5 << 20  # one block
