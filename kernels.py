@@ -252,9 +252,8 @@ def move_storage(region, offset: int, users: list) -> None:
     old = users[0][2].untyped_storage()
     new = torch.frombuffer(region, dtype=torch.uint8, count=old.nbytes(), offset=offset)
     new.copy_(torch.empty(0, dtype=torch.uint8).set_(old))
-    views = [torch.empty(0, dtype=t.dtype).set_(new.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-             for _, _, t in users]
-    for (holder, name, t), moved in zip(users, views):  # a parameter held twice is moved twice, to the same place
+    for holder, name, t in users:  # a parameter held twice is moved twice, to the same place
+        moved = torch.empty(0, dtype=t.dtype).set_(new.untyped_storage(), t.storage_offset(), t.shape, t.stride())
         if isinstance(t, nn.Parameter):
             t.data = moved
         else:
