@@ -301,12 +301,12 @@ def streaming_read_gbps(device, nbytes: int) -> float:
     """The device's memory bandwidth as benchmarks measure it: GB/s of a sum over nbytes (far
     beyond the caches), best of 10. On a Linux CPU the memory is in 2 MB pages, as the weights of a
     packed model are (kernels.into_huge_pages): over 4 KB pages the same sum read 5-7% less on a Xeon."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    if x.device.type == "cpu" and sys.platform.startswith("linux"):
-        from kernels import huge_page_region, huge_pages_available
-        if huge_pages_available():
-            region, start = huge_page_region(nbytes)
-            x = torch.frombuffer(region, dtype=torch.float32, count=nbytes // 4, offset=start).fill_(1.0)
+    from kernels import huge_page_region, huge_pages_available
+    if torch.device(device).type == "cpu" and sys.platform.startswith("linux") and huge_pages_available():
+        region, start = huge_page_region(nbytes)
+        x = torch.frombuffer(region, dtype=torch.float32, count=nbytes // 4, offset=start).fill_(1.0)
+    else:
+        x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     x.sum()
     best = float("inf")
     for _ in range(10):
