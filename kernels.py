@@ -224,15 +224,18 @@ def into_huge_pages(model: nn.Module) -> None:
     resident. Off Linux, or with huge pages off, nothing happens."""
     if not sys.platform.startswith("linux") or not huge_pages_available():
         return
-    uses, offsets, size = streamed_storages(model), {}, 0
-    for key, users in uses.items():
-        offsets[key], size = size, size + -(-users[0][2].untyped_storage().nbytes() // 64) * 64
+    uses = streamed_storages(model)
+
+    def padded(users: list) -> int:  # each storage from a 64-byte boundary
+        return -(-users[0][2].untyped_storage().nbytes() // 64) * 64
+    size = sum(padded(users) for users in uses.values())
     if size < HUGE_PAGE:
         return
-    region, start = huge_page_region(size)
+    region, offset = huge_page_region(size)
     while uses:
-        key, users = uses.popitem()
-        move_storage(region, start + offsets[key], users)
+        users = uses.popitem()[1]
+        move_storage(region, offset, users)
+        offset += padded(users)  # the same bytes on the new storage
         del users
         trim_heap()  # the storage just copied, where it was the allocator's
 
