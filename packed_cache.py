@@ -110,7 +110,7 @@ def keep(model: Transformer, path: Path) -> None:
     and precision, another version), in a thread of its own (not a daemon: the process waits for it
     at exit) working on a copy of the model's modules that shares their tensors, so that the caller
     may change the model meanwhile (setup_caches, a compile's tracing); the weights are never
-    written to. A disk without room for it keeps nothing. The line saying what is kept is written
+    written to. Where the file would take more than half of the disk's free space, nothing is kept. The line saying what is kept is written
     before the thread starts, never into the middle of the caller's output."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in itertools.chain(model.parameters(), model.buffers())}
@@ -122,7 +122,7 @@ def keep(model: Transformer, path: Path) -> None:
         say(f"packed_cache: could not keep the packed weights in {path.parent} ({e.strerror or e}); each start "
             "packs them again")
         return
-    if free < size + (1 << 30):
+    if 2 * size > free:
         say(f"packed_cache: not keeping the packed weights ({size / 1e6:,.0f} MB, {free / 1e6:,.0f} MB free in "
             f"{path.parent}); each start packs them again")
         return

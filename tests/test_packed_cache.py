@@ -188,7 +188,7 @@ def test_off_or_a_full_disk_keeps_nothing(cache, tmp_path, monkeypatch, capsys):
     assert kept(cache) == []
     monkeypatch.setenv("BRISK_PACKED_CACHE", str(cache))
     disk_usage = shutil.disk_usage
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=1 << 20))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=1 << 10))
     load_packed(path, "cpu", precision)
     assert "not keeping the packed weights" in capsys.readouterr().err and kept(cache) == []
     monkeypatch.setattr(shutil, "disk_usage", disk_usage)
