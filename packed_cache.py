@@ -110,8 +110,9 @@ def keep(model: Transformer, path: Path) -> None:
     and precision, another version), in a thread of its own (not a daemon: the process waits for it
     at exit) working on a copy of the model's modules that shares their tensors, so that the caller
     may change the model meanwhile (setup_caches, a compile's tracing); the weights are never
-    written to. Where the file would take more than half of the disk's free space, nothing is kept. The line saying what is kept is written
-    before the thread starts, never into the middle of the caller's output."""
+    written to. Where the file would take more than half of the disk's free space, nothing is kept.
+    The line saying what is kept is written before the thread starts, never into the middle of the
+    caller's output."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in itertools.chain(model.parameters(), model.buffers())}
     size = sum(storages.values())
