@@ -257,15 +257,26 @@ def to_device(model: torch.nn.Module, device, precision: torch.dtype) -> None:
     given back as soon as its copy exists: the mapping keeps every page it read resident until its
     last tensor goes, so a bf16 model cast from an fp32 checkpoint would otherwise hold both (3x the
     bf16 weights at the peak). Integer tensors (quantized weights) keep their dtype; tied weights
-    stay one tensor."""
+    stay one tensor. A buffer is replaced, not changed in place: load_state_dict(assign=True) made
+    it the state dict's own tensor, and the caller's dict would keep each copy alive after the
+    model lets it go (a quantized model's scales, cast and then repacked by finalize_model)."""
     from kernels import release_pages
+
+    def moved(old: torch.Tensor) -> torch.Tensor:
+        new = old.to(device=device, dtype=precision if old.is_floating_point() else None)
+        if new is not old:
+            release_pages(old)
+        return new
+
     with torch.no_grad():
-        for t in itertools.chain(model.parameters(), model.buffers()):
-            old = t.data
-            new = old.to(device=device, dtype=precision if old.is_floating_point() else None)
-            if new is not old:
-                t.data = new
-                release_pages(old)
+        for p in model.parameters():  # a Parameter two modules share is one object, moved once
+            p.data = moved(p.data)
+        copies = {}
+        for module in model.modules():
+            for name, b in list(module.named_buffers(recurse=False)):
+                if id(b) not in copies:
+                    copies[id(b)] = moved(b)
+                setattr(module, name, copies[id(b)])
 
 
 def weights(model: Transformer):

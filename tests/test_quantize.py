@@ -295,6 +295,21 @@ def test_renamed_file_loads_by_its_metadata(tmp_path):
     torch.testing.assert_close(logits(model), expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32)])
+def test_loading_leaves_the_callers_state_dict_as_it_was(mode, groupsize, tmp_path):
+    """load.build_model casts and repacks the model's tensors, never the state dict it was handed:
+    its tensors keep their dtypes and memory, so a caller still holding the dict (load_model does,
+    for the whole build) holds no cast copy the model has since let go: an int4 model's scales, cast
+    to fp32 and then repacked, stayed alive beside the packed ones (0.24 GB of a 1B model)."""
+    from load import build_model, checkpoint_config, read_checkpoint
+    path = quantize.quantize_checkpoint(save_random_model(tmp_path), mode, groupsize)
+    state_dict, quantization = read_checkpoint(path)
+    before = {k: (t.dtype, t.data_ptr(), t.shape) for k, t in state_dict.items()}
+    model = build_model(checkpoint_config(path), state_dict, quantization, "cpu", torch.float32)
+    assert {k: (t.dtype, t.data_ptr(), t.shape) for k, t in state_dict.items()} == before
+    torch.testing.assert_close(logits(model), logits(load_model(path)), rtol=0, atol=0)
+
+
 def test_bf16_model(tmp_path):
     path = save_random_model(tmp_path, attention_bias=True)
     qpath = quantize.quantize_checkpoint(path, "int4", 32)
