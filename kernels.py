@@ -67,21 +67,32 @@ def extension():
 
 @functools.cache
 def best_isa() -> str:
-    """"avx512", "avx2", or "" where kernels.cpp has nothing for this CPU or cannot be built
-    (no C++ compiler: the model then runs PyTorch's own products)."""
+    """"avx512vnni", "avx512", "avx2", or "" where kernels.cpp has nothing for this CPU or cannot be
+    built (no C++ compiler: the model then runs PyTorch's own products). PyTorch's own cap on its CPU
+    kernels caps these too: under ATEN_CPU_CAPABILITY=avx2 an AVX-512 CPU runs what a CPU with AVX2
+    alone (AMD Zen 3) runs, "default" none of them."""
     try:
-        return extension().best_isa()
+        best = extension().best_isa()
     except Exception as e:  # torch's loader raises several kinds for a missing or failing compiler
         reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
         print(f"kernels.cpp could not be built ({reason}); products stay PyTorch's", file=sys.stderr, flush=True)
         return ""
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
+    if capability == "AVX2" and best.startswith("avx512"):
+        return "avx2"
+    return best if capability in ("AVX2", "AVX512") else ""
+
+
+def avx512() -> bool:
+    """Whether best_isa is one of AVX-512's: the bf16 product and attention.cpp / rowwise.cpp need it."""
+    return best_isa().startswith("avx512")
 
 
 @functools.cache
 def bf16_dot() -> bool:
     """Whether kernels.cpp's bf16 product runs here (AVX-512 BF16); elsewhere bf16 models keep
     PyTorch's products (oneDNN's)."""
-    return best_isa() != "" and extension().has_bf16_dot()
+    return avx512() and extension().has_bf16_dot()
 
 
 @functools.cache
@@ -502,7 +513,7 @@ def pack_for_cpu(model: Transformer) -> Transformer:
 @functools.cache
 def cache_attention_supported() -> bool:
     """Whether attention.cpp's kernels run here (AVX-512)."""
-    return best_isa() != "" and extension().attention_supported()
+    return avx512() and extension().attention_supported()
 
 
 def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Optional[Tensor], mask: Tensor,

@@ -575,13 +575,26 @@ def run_benchmark(args) -> dict:
         machine=dict(cpu=cpu_name(), cores=os.cpu_count(), threads=args.threads, device=args.device,
                      gpu=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
                      cpu_capability=torch.backends.cpu.get_cpu_capability(),  # the vector ISA torch's kernels use
-                     isa=cpu_isa(),
+                     isa=cpu_isa(), caps=isa_caps(),
                      torch=torch.__version__, transformers=transformers.__version__, llama_cpp=build),
         settings=dict(rounds=args.rounds, short_prompt=SHORT_PROMPT, long_prompt=args.long_prompt,
                       long_new_tokens=args.long_new_tokens, int4_groupsize=INT4_GROUPSIZE,
                       models={m.name: str(m.checkpoint) for m in models}),
         roofline_gbps=bandwidth, roofline_rounds=roofline, results=results,
         skipped=[dict(what=k, reason=v) for k, v in skipped.items()])
+
+
+def isa_caps() -> str:
+    """The caps set on the instruction sets torch (and with it kernels.py) and oneDNN use, as in
+    `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`: how an AVX-512 machine runs what a CPU with
+    AVX2 alone runs ('' where none is set)."""
+    return " ".join(f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if os.environ.get(k))
+
+
+def where_cpu(m: dict) -> str:
+    """The machine's CPU, its vector extensions and any caps on them, for a table's or a plot's title."""
+    caps = f"; capped: {m['caps']}" if m.get("caps") else ""
+    return f"{m['cpu']} ({m.get('isa') or m['cpu_capability']}{caps})"
 
 
 # The vector extensions that pick kernels.cpp's and llama.cpp's code paths.
@@ -627,7 +640,7 @@ def format_table(report: dict) -> str:
     results, m = report["results"], report["machine"]
     gpu = m.get("gpu")
     where = gpu or f"{m['threads']} threads"
-    lines = [f"{m['cpu']} ({m.get('isa') or m['cpu_capability']}), torch {m['torch']}",
+    lines = [f"{where_cpu(m)}, torch {m['torch']}",
              f"roofline (streaming read, {where}): "
              f"{report['roofline_gbps']:.1f} GB/s; best of {report['settings']['rounds']} round(s)"]
     memory = "peak_gpu_mb" if gpu else "peak_rss_mb"  # the memory that bounds the model size there
@@ -707,7 +720,7 @@ def plot(report: dict, path: Path):
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend(fontsize="small", loc="upper left")
     m = report["machine"]
-    where = m.get("gpu") or f"{m['cpu']} ({m.get('isa') or m['cpu_capability']}), {m['threads']} threads"
+    where = m.get("gpu") or f"{where_cpu(m)}, {m['threads']} threads"
     fig.suptitle(f"{where}, torch {m['torch']}", fontsize="small")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

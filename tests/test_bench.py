@@ -56,6 +56,20 @@ def test_cpu_isa_agrees_with_torch():
         assert "avx2" in flags
 
 
+def test_a_capped_run_says_so(monkeypatch):
+    """A run under ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA (an AVX-512 machine running the paths of a
+    CPU with AVX2 alone) names the caps beside the CPU's own flags in its tables' and plot's titles."""
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    m = dict(cpu="X", isa="family 6 model 1: avx2 avx512f", cpu_capability="AVX512", caps=bench.isa_caps())
+    assert bench.where_cpu(m) == "X (family 6 model 1: avx2 avx512f)"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    m["caps"] = bench.isa_caps()
+    assert bench.where_cpu(m) == ("X (family 6 model 1: avx2 avx512f; capped: ATEN_CPU_CAPABILITY=avx2 "
+                                  "ONEDNN_MAX_CPU_ISA=AVX2)")
+
+
 def test_roofline_smoke(tmp_path, capsys):
     """scripts/roofline.py on the CPU: random weights of a config's shape, each precision, the peer,
     the profile; the bytes a step reads counted by brisk and by transformers' own parameters agree."""

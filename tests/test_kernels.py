@@ -435,6 +435,62 @@ def test_kernels_build_here():
     assert kernels.best_isa() != ""
 
 
+UNDER_AVX2 = """
+import json, sys, torch
+import kernels, quantized
+from compiling import compile_step
+from decode import decode_one_token, generate
+from load import load_model
+out = dict(isa=kernels.best_isa(), bf16_dot=kernels.bf16_dot(), attention=kernels.cache_attention_supported(),
+           logits={}, kernels={})
+products = (torch.nn.Linear, kernels.PackedLinear, quantized.Int8Linear, quantized.Int4Linear)
+for name, path, precision in json.loads(sys.argv[1]):
+    model = kernels.pack_for_cpu(load_model(path, "cpu", getattr(torch, precision)))
+    out["kernels"][name] = sorted({getattr(m, "isa", type(m).__name__) for m in model.modules()
+                                   if isinstance(m, products)})
+    with torch.no_grad():
+        model.setup_caches(max_batch_size=1, max_seq_length=16)
+        model(torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5))
+        out["logits"][name] = model(torch.tensor([[9]]), torch.tensor([5], dtype=torch.int))[0, -1].float().tolist()
+    if name in ("fp32", "int4"):  # inductor's AVX2 code around kernels.cpp's: token for token as eager
+        prompt = torch.tensor([3, 1, 4, 1, 5])
+        assert generate(model, prompt, 6, decode_fn=compile_step(decode_one_token, "cpu")).tolist() == \\
+            generate(model, prompt, 6).tolist(), name
+print(json.dumps(out))
+"""
+
+
+def test_an_avx2_cpu_runs_what_it_has(tmp_path):
+    """Under PyTorch's cap on its CPU kernels (ATEN_CPU_CAPABILITY=avx2) an AVX-512 machine runs what
+    a CPU with AVX2 alone (AMD Zen 3) runs: kernels.cpp's AVX2 products for fp32, int8 and int4,
+    bf16's products and attention left to PyTorch. Their logits equal the unpacked fp32 model's
+    (int8 / int4: with the weights dequantized) and the compiled step (inductor's AVX2 code around
+    them) decodes as eager, so the paths of a whole AVX2 model are tested here, not only its kernels."""
+    import quantize
+    from test_quantize import dequantized_model, rel_error
+    if "avx2" not in kernel_isas():
+        pytest.skip("this CPU has no AVX2")
+    path = save_and_convert(make_hf_model("llama31", seed=4), tmp_path)
+    int8, int4 = quantize.quantize_checkpoint(path, "int8"), quantize.quantize_checkpoint(path, "int4", 32)
+    cases = [("fp32", str(path), "float32"), ("bf16", str(path), "bfloat16"), ("int8", str(int8), "float32"),
+             ("int4", str(int4), "float32")]
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", PYTHONPATH=str(Path(kernels.__file__).parent))
+    done = subprocess.run([sys.executable, "-c", UNDER_AVX2, json.dumps(cases)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert (got["isa"], got["bf16_dot"], got["attention"]) == ("avx2", False, False)
+    assert got["kernels"] == {"fp32": ["avx2"], "bf16": ["Linear"], "int8": ["avx2"], "int4": ["avx2"]}
+    bounds = {"fp32": 1e-5, "bf16": 2e-2, "int8": 1e-5, "int4": 1e-5}
+    for name, checkpoint, _ in cases:
+        reference = load_model(path) if name in ("fp32", "bf16") else dequantized_model(path, checkpoint)
+        with torch.no_grad():  # as the child steps
+            reference.setup_caches(max_batch_size=1, max_seq_length=16)
+            reference(torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5))
+            expected = reference(torch.tensor([[9]]), torch.tensor([5], dtype=torch.int))[0, -1]
+        assert rel_error(torch.tensor(got["logits"][name]), expected) < bounds[name], name
+
+
 def test_no_compiler_means_pytorch_products(tmp_path):
     """Without a working C++ compiler the model is left as it is, with one line saying why."""
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
