@@ -49,6 +49,10 @@ struct F32 {
   AVX2 void get(int64_t k, int64_t half, __m256& a, __m256& b) const {
     a = _mm256_loadu_ps(w + k * BLOCK + half), b = _mm256_loadu_ps(w + k * BLOCK + half + 8);
   }
+  AVX2 void get(int64_t k, __m256 (&v)[4]) const {  // the whole block row
+    prefetch_ahead(w + k * BLOCK), prefetch_ahead(w + k * BLOCK + 16);
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(w + k * BLOCK + 8 * i);
+  }
   AVX512 __m512 scale512(int64_t g, int64_t c) const { return _mm512_set1_ps(1.f); }
   AVX2 __m256 scale256(int64_t g, int64_t c) const { return _mm256_set1_ps(1.f); }
 };
@@ -66,6 +70,11 @@ struct Int8 {
     __m128i q = _mm_loadu_si128((const __m128i*)(w + k * BLOCK + half));
     a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
     b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q)));
+  }
+  AVX2 void get(int64_t k, __m256 (&v)[4]) const {
+    prefetch_ahead(w + k * BLOCK);
+    for (int i = 0; i < 4; i++)
+      v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + k * BLOCK + 8 * i))));
   }
   AVX512 __m512 scale512(int64_t g, int64_t c) const { return _mm512_loadu_ps(scales + c); }
   AVX2 __m256 scale256(int64_t g, int64_t c) const { return _mm256_loadu_ps(scales + c); }
@@ -100,6 +109,16 @@ struct Int4 {
       b = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
     }
   }
+  AVX2 void get(int64_t k, __m256 (&v)[4]) const {  // bytes 0-7: columns 0-7 and 16-23; 8-15: 8-15 and 24-31
+    const uint8_t* p = w + k * BLOCK / 2;
+    prefetch_ahead(p);
+    __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+    __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+    v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, _mm256_set1_epi32(15)));
+    v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, _mm256_set1_epi32(15)));
+    v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
+    v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
+  }
   int64_t stride() const { return sz_per_group(zeros); }
   AVX512 __m512 scale512(int64_t g, int64_t c) const { return bf16x16(sz + g * stride() + c); }
   AVX2 __m256 scale256(int64_t g, int64_t c) const { return bf16x8(sz + g * stride() + c); }
@@ -127,11 +146,11 @@ AVX512 static inline void add_group(const W& w, int64_t g, __m512 (&acc)[ROWS][2
   }
 }
 
-template <int ROWS, class W>
-AVX2 static inline void add_group(const W& w, int64_t g, int64_t half, __m256 (&acc)[ROWS][2],
+template <int ROWS, int V, class W>  // V vectors of 8 columns from column c0
+AVX2 static inline void add_group(const W& w, int64_t g, int64_t c0, __m256 (&acc)[ROWS][V],
                                   float (*out)[BLOCK]) {
-  for (int j = 0; j < 2; j++) {
-    int64_t c = half + 8 * j;
+  for (int j = 0; j < V; j++) {
+    int64_t c = c0 + 8 * j;
     __m256 s = w.scale256(g, c), offset = _mm256_setzero_ps();
     if constexpr (std::is_same_v<W, Int4>) offset = w.offset256(g, c);
     for (int m = 0; m < ROWS; m++) {
@@ -177,8 +196,40 @@ AVX2 static void tile_avx2(const float* x, int64_t K, const W& w, float (*out)[B
           acc[m][1] = _mm256_fmadd_ps(xk, w1, acc[m][1]);
         }
       }
-      add_group<ROWS>(w, g, half, acc, out);
+      add_group<ROWS, 2>(w, g, half, acc, out);
     }
+  }
+}
+
+template <int ROWS, class W>  // acc[m] += x[m, k] * the block's row k
+AVX2 static inline void add_row(const float* x, int64_t K, const W& w, int64_t k, __m256 (&acc)[ROWS][4]) {
+  __m256 v[4];
+  w.get(k, v);
+  for (int m = 0; m < ROWS; m++) {
+    __m256 xk = _mm256_broadcast_ss(x + m * K + k);
+    for (int i = 0; i < 4; i++) acc[m][i] = _mm256_fmadd_ps(xk, v[i], acc[m][i]);
+  }
+}
+
+// AVX2 for one or two rows (a decode step): the whole block a k, and for one row two k at a time,
+// so that 8 sums are in flight; the half block's 2 a row waited on each FMA's latency.
+template <int ROWS, class W>
+AVX2 static void tile_avx2_decode(const float* x, int64_t K, const W& w, float (*out)[BLOCK]) {
+  static_assert(ROWS <= 2, "8 sums, 4 weight vectors and x: 13 of the 16 registers");
+  constexpr int U = ROWS == 1 ? 2 : 1;
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += w.group, g++) {
+    __m256 acc[U][ROWS][4];
+    for (int u = 0; u < U; u++)
+      for (int m = 0; m < ROWS; m++)
+        for (int i = 0; i < 4; i++) acc[u][m][i] = _mm256_setzero_ps();
+    int64_t k = k0, k1 = std::min(K, k0 + w.group);
+    for (; k + U <= k1; k += U)
+      for (int u = 0; u < U; u++) add_row<ROWS>(x, K, w, k + u, acc[u]);
+    for (; k < k1; k++) add_row<ROWS>(x, K, w, k, acc[0]);
+    for (int u = 1; u < U; u++)
+      for (int m = 0; m < ROWS; m++)
+        for (int i = 0; i < 4; i++) acc[0][m][i] = _mm256_add_ps(acc[0][m][i], acc[u][m][i]);
+    add_group<ROWS, 4>(w, g, 0, acc[0], out);
   }
 }
 
@@ -447,8 +498,10 @@ static torch::Tensor run_fma(const torch::Tensor& x, int64_t N, int64_t blocks, 
     auto w = format(b, m);
     if (wide)
       with_rows<1, 8>(rows, [&](auto R) { tile_avx512<decltype(R)::value>(xp + m * K, K, w, out); });
+    else if (rows <= 2)
+      with_rows<1, 2>(rows, [&](auto R) { tile_avx2_decode<decltype(R)::value>(xp + m * K, K, w, out); });
     else
-      with_rows<1, 6>(rows, [&](auto R) { tile_avx2<decltype(R)::value>(xp + m * K, K, w, out); });
+      with_rows<3, 6>(rows, [&](auto R) { tile_avx2<decltype(R)::value>(xp + m * K, K, w, out); });
   });
 }
 
