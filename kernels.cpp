@@ -62,6 +62,7 @@ struct Int8 {
   const float* scales;  // the block's 32
   int64_t group;
   AVX512 void get(int64_t k, __m512& a, __m512& b) const {
+    prefetch_ahead(w + k * BLOCK);
     __m256i q = _mm256_loadu_si256((const __m256i*)(w + k * BLOCK));
     a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
     b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
@@ -93,6 +94,7 @@ struct Int4 {
   int64_t group, groups;
   bool zeros;          // sz holds zeros
   AVX512 void get(int64_t k, __m512& a, __m512& b) const {
+    prefetch_ahead(w + k * BLOCK / 2);
     __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w + k * BLOCK / 2)));
     a = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
     b = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
