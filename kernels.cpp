@@ -356,6 +356,35 @@ BF16DOT static void tile_bf16(const uint32_t* x, int64_t K2, const uint32_t* w, 
   }
 }
 
+// bf16 without vdpbf16ps (AVX2, and AVX-512 CPUs without BF16): each 32-bit lane of the pair
+// layout holds k's weight in its low half and k + 1's in its high half, and a bf16 is an fp32's
+// top half, so a shift and a mask give both as fp32. One or two rows a tile, the whole block a k
+// pair: 8 sums in flight.
+template <int ROWS>
+AVX2 static void tile_avx2_bf16(const uint32_t* x, int64_t K2, const uint32_t* w, float (*out)[BLOCK]) {
+  static_assert(ROWS <= 2, "8 sums, the weights and x: within the 16 registers");
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m256 acc[ROWS][4];
+  for (int m = 0; m < ROWS; m++)
+    for (int i = 0; i < 4; i++) acc[m][i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K2; k++) {
+    prefetch_ahead(w + k * BLOCK), prefetch_ahead(w + k * BLOCK + 16);
+    __m256 even[ROWS], odd[ROWS];
+    for (int m = 0; m < ROWS; m++) {
+      __m256i xk = _mm256_set1_epi32(static_cast<int32_t>(x[m * K2 + k]));
+      even[m] = _mm256_castsi256_ps(_mm256_slli_epi32(xk, 16));
+      odd[m] = _mm256_castsi256_ps(_mm256_and_si256(xk, high));
+    }
+    for (int i = 0; i < 4; i++) {
+      __m256i v = _mm256_loadu_si256((const __m256i*)(w + k * BLOCK + 8 * i));
+      __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      for (int m = 0; m < ROWS; m++) acc[m][i] = _mm256_fmadd_ps(odd[m], wo, _mm256_fmadd_ps(even[m], we, acc[m][i]));
+    }
+  }
+  for (int m = 0; m < ROWS; m++)
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(out[m] + 8 * i, acc[m][i]);
+}
+
 bool has_bf16_dot() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
@@ -595,16 +624,17 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
   });
 }
 
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t isa) {
   int64_t blocks = packed.size(0), K2 = packed.size(1), K = x.size(-1);
   TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 && packed.size(2) == BLOCK &&
               packed.size(3) == 2 && blocks * BLOCK >= N && K2 == (K + 1) / 2,
               "packed_linear_bf16: a bf16 weight packed [N / 32, K / 2, 32, 2] for ", K, " input features");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "packed_linear_bf16: x must be bf16");
-  static const bool supported = has_bf16_dot();  // asked once, not on every call of a decode step
-  TORCH_CHECK(supported, "packed_linear_bf16: this CPU has no AVX-512 BF16");
+  TORCH_CHECK(isa == ISA_AVX2 || isa == ISA_AVX512 || isa == ISA_AVX512VNNI, "kernels: unknown instruction set ", isa);
+  static const bool bf16_dot = has_bf16_dot();  // asked once, not on every call of a decode step
+  bool dot = bf16_dot && isa != ISA_AVX2;       // vdpbf16ps, and AMX for a prompt's rows
   int64_t M = x.numel() / K;
-  bool amx = M >= AMX_ROWS && has_amx();
+  bool amx = dot && M >= AMX_ROWS && has_amx();
   // Whole pairs, and for AMX whole tiles of rows (zeros).
   int64_t pad_rows = amx ? (M + AMX_TILE - 1) / AMX_TILE * AMX_TILE - M : 0;
   auto x2 = K % 2 || pad_rows ? torch::constant_pad_nd(x.reshape({M, K}), {0, K % 2, 0, pad_rows}) : x.contiguous();
@@ -616,6 +646,12 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, i
       tile_amx_bf16(xp + m * K2, K2, wp + b * K2 * BLOCK, out);
     }, &tiles);
   }
+  if (!dot)
+    return run(M, N, blocks, 2, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+      with_rows<1, 2>(rows, [&](auto R) {
+        tile_avx2_bf16<decltype(R)::value>(xp + m * K2, K2, wp + b * K2 * BLOCK, out);
+      });
+    });
   return run(M, N, blocks, 8, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
     with_rows<1, 8>(rows, [&](auto R) { tile_bf16<decltype(R)::value>(xp + m * K2, K2, wp + b * K2 * BLOCK, out); });
   });
@@ -669,7 +705,7 @@ TORCH_LIBRARY(brisk, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, int isa) -> Tensor");
   m.def("packed_linear_int8(Tensor x, Tensor packed, Tensor scales, int out_features, int isa) -> Tensor");
   m.def("packed_linear_int4(Tensor x, Tensor packed, Tensor scales_and_zeros, int out_features, int isa) -> Tensor");
-  m.def("packed_linear_bf16(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("packed_linear_bf16(Tensor x, Tensor packed, int out_features, int isa) -> Tensor");
   m.def("packed_embedding(Tensor idx, Tensor packed, int dim) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(brisk, CPU, m) {

@@ -90,8 +90,8 @@ def avx512() -> bool:
 
 @functools.cache
 def bf16_dot() -> bool:
-    """Whether kernels.cpp's bf16 product runs here (AVX-512 BF16); elsewhere bf16 models keep
-    PyTorch's products (oneDNN's)."""
+    """Whether kernels.cpp's bf16 product multiplies bf16 pairs here (AVX-512 BF16: vdpbf16ps, and
+    AMX tiles for a prompt's rows where the CPU has them); elsewhere it widens them to fp32."""
     return avx512() and extension().has_bf16_dot()
 
 
@@ -114,7 +114,7 @@ def register_fake():
         return x.new_empty(*x.shape[:-1], out_features)
 
     @torch.library.register_fake("brisk::packed_linear_bf16")
-    def _(x, packed, out_features):
+    def _(x, packed, out_features, isa):
         return x.new_empty(*x.shape[:-1], out_features)
 
     @torch.library.register_fake("brisk::packed_embedding")
@@ -419,7 +419,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.packed.dtype == torch.bfloat16:
-            y = torch.ops.brisk.packed_linear_bf16(x, self.packed, self.out_features)
+            y = torch.ops.brisk.packed_linear_bf16(x, self.packed, self.out_features, ISA_CODES[self.isa])
         else:
             y = torch.ops.brisk.packed_linear(x, self.packed, self.out_features, ISA_CODES[self.isa])
         return y if self.bias is None else y + self.bias
@@ -486,10 +486,9 @@ class PackedEmbedding(nn.Module):
 
 
 def packable_dtypes() -> tuple:
-    """The weight dtypes kernels.cpp multiplies on this CPU."""
-    if best_isa() == "":
-        return ()
-    return (torch.float32, torch.bfloat16) if bf16_dot() else (torch.float32,)
+    """The weight dtypes kernels.cpp multiplies on this CPU: fp32 and bf16 (with vdpbf16ps where the
+    CPU has AVX-512 BF16, else as fp32 in AVX2's FMAs)."""
+    return (torch.float32, torch.bfloat16) if best_isa() else ()
 
 
 def can_pack(model: Transformer) -> bool:
