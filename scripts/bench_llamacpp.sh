@@ -20,8 +20,11 @@ if [ ! -d src ]; then
 fi
 GENERATOR=()
 if command -v ninja >/dev/null; then GENERATOR=(-G Ninja); fi
-# GGML_NATIVE: tuned for this CPU, as a user building llama.cpp would get it.
+# GGML_NATIVE: tuned for this CPU, as a user building llama.cpp would get it. LLAMACPP_CMAKE_ARGS:
+# more flags, e.g. the build of a CPU with AVX2 alone, on a larger one (README, Benchmarks):
+#   LLAMACPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+# shellcheck disable=SC2086  # the extra flags are words
 cmake -S src -B build "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON ${LLAMACPP_CMAKE_ARGS:-}
 cmake --build build -j "${JOBS:-$(nproc)}" --target llama-bench llama-batched-bench llama-server llama-quantize llama-simple
 echo "built $DIR/build/bin/llama-bench; run: python scripts/bench.py --llamacpp_dir $DIR"
