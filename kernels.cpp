@@ -47,6 +47,7 @@ struct F32 {
     a = _mm512_loadu_ps(w + k * BLOCK), b = _mm512_loadu_ps(w + k * BLOCK + 16);
   }
   AVX2 void get(int64_t k, int64_t half, __m256& a, __m256& b) const {
+    prefetch_ahead(w + k * BLOCK), prefetch_ahead(w + k * BLOCK + 16);
     a = _mm256_loadu_ps(w + k * BLOCK + half), b = _mm256_loadu_ps(w + k * BLOCK + half + 8);
   }
   AVX2 void get(int64_t k, __m256 (&v)[4]) const {  // the whole block row
@@ -68,6 +69,7 @@ struct Int8 {
     b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
   }
   AVX2 void get(int64_t k, int64_t half, __m256& a, __m256& b) const {
+    prefetch_ahead(w + k * BLOCK);
     __m128i q = _mm_loadu_si128((const __m128i*)(w + k * BLOCK + half));
     a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
     b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q)));
@@ -101,6 +103,7 @@ struct Int4 {
   }
   AVX2 void get(int64_t k, int64_t half, __m256& a, __m256& b) const {
     const uint8_t* p = w + k * BLOCK / 2;
+    prefetch_ahead(p);
     __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
     __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
     if (half == 0) {
