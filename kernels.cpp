@@ -37,8 +37,9 @@ AVX2 static inline __m256 bf16x8(const uint16_t* p) {
 // slower (README, How it works).
 static inline void prefetch_ahead(const void* p) { _mm_prefetch((const char*)p + 2048, _MM_HINT_T1); }
 
-// Each format gives the fp32 weights of block row k (AVX-512: all 32 columns; AVX2: the 16 from
-// `half`), how many k share a scale (`group`), and how a group's sums go into the output.
+// Each format gives the fp32 weights of block row k (AVX-512: all 32 columns; AVX2, fp32 alone:
+// the 16 from `half`, or all), how many k share a scale (`group`), and how a group's sums go into
+// the output.
 struct F32 {
   const float* w;
   int64_t group;  // K: one group
@@ -68,17 +69,6 @@ struct Int8 {
     a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
     b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
   }
-  AVX2 void get(int64_t k, int64_t half, __m256& a, __m256& b) const {
-    prefetch_ahead(w + k * BLOCK);
-    __m128i q = _mm_loadu_si128((const __m128i*)(w + k * BLOCK + half));
-    a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-    b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q)));
-  }
-  AVX2 void get(int64_t k, __m256 (&v)[4]) const {
-    prefetch_ahead(w + k * BLOCK);
-    for (int i = 0; i < 4; i++)
-      v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + k * BLOCK + 8 * i))));
-  }
   AVX512 __m512 scale512(int64_t g, int64_t c) const { return _mm512_loadu_ps(scales + c); }
   AVX2 __m256 scale256(int64_t g, int64_t c) const { return _mm256_loadu_ps(scales + c); }
 };
@@ -100,29 +90,6 @@ struct Int4 {
     __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w + k * BLOCK / 2)));
     a = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
     b = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
-  }
-  AVX2 void get(int64_t k, int64_t half, __m256& a, __m256& b) const {
-    const uint8_t* p = w + k * BLOCK / 2;
-    prefetch_ahead(p);
-    __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-    __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
-    if (half == 0) {
-      a = _mm256_cvtepi32_ps(_mm256_and_si256(lo, _mm256_set1_epi32(15)));
-      b = _mm256_cvtepi32_ps(_mm256_and_si256(hi, _mm256_set1_epi32(15)));
-    } else {
-      a = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
-      b = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
-    }
-  }
-  AVX2 void get(int64_t k, __m256 (&v)[4]) const {  // bytes 0-7: columns 0-7 and 16-23; 8-15: 8-15 and 24-31
-    const uint8_t* p = w + k * BLOCK / 2;
-    prefetch_ahead(p);
-    __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-    __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
-    v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, _mm256_set1_epi32(15)));
-    v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, _mm256_set1_epi32(15)));
-    v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
-    v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
   }
   int64_t stride() const { return sz_per_group(zeros); }
   AVX512 __m512 scale512(int64_t g, int64_t c) const { return bf16x16(sz + g * stride() + c); }
@@ -238,40 +205,69 @@ AVX2 static void tile_avx2_decode(const float* x, int64_t K, const W& w, float (
   }
 }
 
-// int8 / int4 with integer dot products (AVX-512 VNNI): each row of x is rounded to int8 per 32
-// input columns (a scale d each, as llama.cpp's Q8_0), and vpdpbusd adds 4 products of unsigned
-// weight bytes and signed x bytes per lane: 4x the work of an fp32 FMA per instruction, no
-// conversion of the weights. The weights are packed [N / 32, K / 4, 32, 4]: the 4 consecutive k
-// of a column in one 32-bit lane. int8 weights are stored + 128 (unsigned), so sum (w + 128) q =
-// sum w q + 128 sum q, and sum q is known per row and block; int4 codes are unsigned already.
-#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
-
+// int8 / int4 with integer dot products: each row of x is rounded to int8 per 32 input columns (a
+// scale d each, as llama.cpp's Q8_0), and the weights' bytes are multiplied by x's bytes, 4
+// consecutive k summed per 32-bit lane, with no conversion of the weights. The weights are packed
+// [N / 32, K / 4, 32, 4]: the 4 consecutive k of a column in one 32-bit lane. int8 weights are
+// stored + 128 (unsigned); int4 codes are unsigned already.
 struct QuantizedRows {  // x [M, K] -> q int8 [M, Kp] (Kp: K padded to 32), per 32 columns: d and sum q
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> sum;
 };
 
-VNNI static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp) {
+AVX2 static inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+AVX2 static inline int32_t sum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+AVX2 static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp) {
   int64_t nb = Kp / BLOCK;
   QuantizedRows r{std::vector<int8_t>(M * Kp), std::vector<float>(M * nb), std::vector<int32_t>(M * nb)};
+  alignas(32) float tail[BLOCK];
   for (int64_t m = 0; m < M; m++) {
     for (int64_t b = 0; b < nb; b++) {
       int64_t k0 = b * BLOCK, n = std::max<int64_t>(0, std::min(BLOCK, K - k0));
-      __mmask16 lo = n >= 16 ? 0xffff : (1u << n) - 1, hi = n >= 32 ? 0xffff : n <= 16 ? 0 : (1u << (n - 16)) - 1;
-      __m512 v0 = _mm512_maskz_loadu_ps(lo, x + m * K + k0), v1 = _mm512_maskz_loadu_ps(hi, x + m * K + k0 + 16);
-      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-      float d = amax / 127.f, inv = amax > 0 ? 127.f / amax : 0.f;
-      __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));  // round to nearest even
-      __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
-      _mm_storeu_si128((__m128i*)(r.q.data() + m * Kp + k0), _mm512_cvtepi32_epi8(q0));
-      _mm_storeu_si128((__m128i*)(r.q.data() + m * Kp + k0 + 16), _mm512_cvtepi32_epi8(q1));
+      const float* p = x + m * K + k0;
+      if (n < BLOCK) {  // K's last, partial block: zeros past K
+        std::fill(tail, tail + BLOCK, 0.f);
+        std::copy(p, p + n, tail);
+        p = tail;
+      }
+      __m256 v[4], amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(p + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[i]));
+      }
+      float a = max8(amax), d = a / 127.f, inv = a > 0 ? 127.f / a : 0.f;
+      __m256i q[4], sum = _mm256_setzero_si256();
+      for (int i = 0; i < 4; i++) {
+        q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));  // round to nearest even
+        sum = _mm256_add_epi32(sum, q[i]);
+      }
+      // Narrowing packs within 128-bit halves: 32-bit units come out as q0 q1 q2 q3 (columns 0-3
+      // of each) then their columns 4-7; the permutation puts each q's 8 bytes together again.
+      __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256((__m256i*)(r.q.data() + m * Kp + k0), bytes);
       r.d[m * nb + b] = d;
-      r.sum[m * nb + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      r.sum[m * nb + b] = sum8(sum);
     }
   }
   return r;
 }
+
+// AVX-512 VNNI: vpdpbusd adds 4 products of unsigned weight bytes and signed x bytes per lane: 4x the
+// work of an fp32 FMA per instruction. int8's w + 128 gives sum (w + 128) q = sum w q + 128 sum q,
+// and sum q is known per row and block.
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
 // Up to 4 rows: 8 integer and 8 float accumulators. INT4: 64 bytes per k-quad (columns j and
 // j + 16 in a byte's nibbles), a scale and zero per `group` (zeros: false for scales alone); int8:
@@ -332,6 +328,82 @@ VNNI static void tile_vnni(const QuantizedRows& x, int64_t m0, int64_t Kp, const
       for (int j = 0; j < 2; j++) _mm512_storeu_ps(out[m] + 16 * j, fa[m][j]);
   } else {
     add_group<ROWS>(Int8{nullptr, scales, Kp}, 0, fa, out);
+  }
+}
+
+// AVX2 has no vpdpbusd: vpmaddubsw multiplies 32 unsigned by 32 signed bytes and sums pairs to
+// int16 (saturating), vpmaddwd sums pairs of those to int32. int4: a pair of codes (0..15) times x
+// (-127..127) is at most 3810 in size, so a block's 8 k-quads add up in int16 (30480) before one
+// vpmaddwd. int8: (w + 128) x would overflow a pair, so the products are |w| times x with w's sign
+// (|w| <= 128, |x| <= 127: 32512 at most) and each k-quad widens to int32.
+template <int ROWS, bool INT4>
+AVX2 static void tile_avx2_int(const QuantizedRows& x, int64_t m0, int64_t Kp, const uint8_t* w, const float* scales,
+                               const uint16_t* sz, bool zeros, const float* xsum, int64_t group, float (*out)[BLOCK]) {
+  int64_t nb = Kp / BLOCK, groups = Kp / group;
+  const int32_t* xq = reinterpret_cast<const int32_t*>(x.q.data()) + m0 * Kp / 4;
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(-128);
+  __m256 fa[ROWS][4];
+  for (int m = 0; m < ROWS; m++)
+    for (int j = 0; j < 4; j++) fa[m][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    __m256i ia[ROWS][4];
+    for (int m = 0; m < ROWS; m++)
+      for (int j = 0; j < 4; j++) ia[m][j] = _mm256_setzero_si256();
+    for (int64_t kq = b * BLOCK / 4; kq < (b + 1) * BLOCK / 4; kq++) {
+      if constexpr (INT4) {  // vectors of columns 0-7, 8-15 (low nibbles), 16-23, 24-31 (high)
+        const uint8_t* p = w + kq * 64;
+        prefetch_ahead(p);
+        __m256i v0 = _mm256_loadu_si256((const __m256i*)p), v1 = _mm256_loadu_si256((const __m256i*)(p + 32));
+        __m256i c[4] = {_mm256_and_si256(v0, low), _mm256_and_si256(v1, low),
+                        _mm256_and_si256(_mm256_srli_epi16(v0, 4), low), _mm256_and_si256(_mm256_srli_epi16(v1, 4), low)};
+        for (int m = 0; m < ROWS; m++) {
+          __m256i xb = _mm256_set1_epi32(xq[m * Kp / 4 + kq]);
+          for (int j = 0; j < 4; j++) ia[m][j] = _mm256_add_epi16(ia[m][j], _mm256_maddubs_epi16(c[j], xb));
+        }
+      } else {
+        const uint8_t* p = w + kq * 128;
+        prefetch_ahead(p), prefetch_ahead(p + 64);
+        __m256i v[4], a[4];
+        for (int j = 0; j < 4; j++) {
+          v[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 32 * j)), top);  // w
+          a[j] = _mm256_abs_epi8(v[j]);
+        }
+        for (int m = 0; m < ROWS; m++) {
+          __m256i xb = _mm256_set1_epi32(xq[m * Kp / 4 + kq]);
+          for (int j = 0; j < 4; j++)
+            ia[m][j] = _mm256_add_epi32(ia[m][j], _mm256_madd_epi16(_mm256_maddubs_epi16(a[j], _mm256_sign_epi8(xb, v[j])), ones));
+        }
+      }
+    }
+    if constexpr (INT4) {  // out += d s sum q x, and at a group's end (z - 8 s) sum x
+      Int4 f{nullptr, sz, nullptr, group, groups, zeros};
+      int64_t g = b * BLOCK / group;
+      __m256 s[4];
+      for (int j = 0; j < 4; j++) s[j] = f.scale256(g, 8 * j);
+      for (int m = 0; m < ROWS; m++) {
+        __m256 d = _mm256_set1_ps(x.d[(m0 + m) * nb + b]);
+        for (int j = 0; j < 4; j++)
+          fa[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(ia[m][j], ones)), _mm256_mul_ps(d, s[j]), fa[m][j]);
+      }
+      if ((b + 1) * BLOCK % group == 0) {
+        for (int j = 0; j < 4; j++) s[j] = f.offset256(g, 8 * j);
+        for (int m = 0; m < ROWS; m++) {
+          __m256 xs = _mm256_set1_ps(xsum[(m0 + m) * groups + g]);
+          for (int j = 0; j < 4; j++) fa[m][j] = _mm256_fmadd_ps(s[j], xs, fa[m][j]);
+        }
+      }
+    } else {
+      for (int m = 0; m < ROWS; m++) {
+        __m256 d = _mm256_set1_ps(x.d[(m0 + m) * nb + b]);
+        for (int j = 0; j < 4; j++) fa[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][j]), d, fa[m][j]);
+      }
+    }
+  }
+  if constexpr (INT4) {
+    for (int m = 0; m < ROWS; m++)
+      for (int j = 0; j < 4; j++) _mm256_storeu_ps(out[m] + 8 * j, fa[m][j]);
+  } else {
+    add_group<ROWS, 4>(Int8{nullptr, scales, Kp}, 0, 0, fa, out);
   }
 }
 
@@ -464,6 +536,7 @@ AMX static void tile_amx_bf16(const uint32_t* x, int64_t K2, const uint32_t* w, 
 
 // The ops' isa argument (kernels.ISA_CODES).
 constexpr int64_t ISA_AVX2 = 0, ISA_AVX512 = 1, ISA_AVX512VNNI = 2;
+constexpr int AVX2_INT_ROWS = 3;
 static const char* isa_name(int64_t isa) {
   return isa == ISA_AVX2 ? "avx2" : isa == ISA_AVX512 ? "avx512" : isa == ISA_AVX512VNNI ? "avx512vnni" : "?";
 }
@@ -532,16 +605,18 @@ static torch::Tensor run_fma(const torch::Tensor& x, int64_t N, int64_t blocks, 
     auto w = format(b, m);
     if (wide)
       with_rows<1, 8>(rows, [&](auto R) { tile_avx512<decltype(R)::value>(xp + m * K, K, w, out); });
-    else if (rows <= 2)
-      with_rows<1, 2>(rows, [&](auto R) { tile_avx2_decode<decltype(R)::value>(xp + m * K, K, w, out); });
-    else
-      with_rows<3, 6>(rows, [&](auto R) { tile_avx2<decltype(R)::value>(xp + m * K, K, w, out); });
+    else if constexpr (std::is_same_v<decltype(w), F32>) {  // int8 / int4 have integer products on AVX2
+      if (rows <= 2)
+        with_rows<1, 2>(rows, [&](auto R) { tile_avx2_decode<decltype(R)::value>(xp + m * K, K, w, out); });
+      else
+        with_rows<3, 6>(rows, [&](auto R) { tile_avx2<decltype(R)::value>(xp + m * K, K, w, out); });
+    }
   });
 }
 
 template <bool INT4>
-static torch::Tensor run_vnni(const torch::Tensor& x, int64_t N, int64_t blocks, int64_t Kp, const uint8_t* w,
-                              const float* scales, const uint16_t* sz, bool zeros, int64_t group) {
+static torch::Tensor run_integer(const torch::Tensor& x, int64_t N, int64_t blocks, int64_t Kp, const uint8_t* w,
+                                 const float* scales, const uint16_t* sz, bool zeros, int64_t group, int64_t isa) {
   int64_t K = x.size(-1), M = x.numel() / K, bytes = INT4 ? BLOCK / 2 : BLOCK, nb = Kp / BLOCK;
   QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K, Kp);
   // int4's zero term takes the sums of the rounded x too, so that the rounding's error is
@@ -549,12 +624,19 @@ static torch::Tensor run_vnni(const torch::Tensor& x, int64_t N, int64_t blocks,
   std::vector<float> xsum(INT4 ? M * (Kp / group) : 0);
   for (int64_t m = 0; m < M && INT4; m++)
     for (int64_t b = 0; b < nb; b++) xsum[m * (Kp / group) + b * BLOCK / group] += xq.d[m * nb + b] * xq.sum[m * nb + b];
-  return run(M, N, blocks, 4, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
-    with_rows<1, 4>(rows, [&](auto R) {
-      tile_vnni<decltype(R)::value, INT4>(xq, m, Kp, w + b * Kp * bytes, INT4 ? nullptr : scales + b * BLOCK,
-                                          INT4 ? sz + b * (Kp / group) * sz_per_group(zeros) : nullptr, zeros,
-                                          xsum.data(), group, out);
-    });
+  bool vnni = isa == ISA_AVX512VNNI;
+  return run(M, N, blocks, vnni ? 4 : AVX2_INT_ROWS, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+    const uint8_t* wb = w + b * Kp * bytes;
+    const float* sb = INT4 ? nullptr : scales + b * BLOCK;
+    const uint16_t* szb = INT4 ? sz + b * (Kp / group) * sz_per_group(zeros) : nullptr;
+    if (vnni)
+      with_rows<1, 4>(rows, [&](auto R) {
+        tile_vnni<decltype(R)::value, INT4>(xq, m, Kp, wb, sb, szb, zeros, xsum.data(), group, out);
+      });
+    else
+      with_rows<1, AVX2_INT_ROWS>(rows, [&](auto R) {
+        tile_avx2_int<decltype(R)::value, INT4>(xq, m, Kp, wb, sb, szb, zeros, xsum.data(), group, out);
+      });
   });
 }
 
@@ -576,12 +658,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   return run_fma(x2, N, blocks, isa, [&](int64_t b, int64_t m) { return F32{wp + b * K * BLOCK, K}; });
 }
 
-// int8: packed int8 [N / 32, K, 32] (FMA), or uint8 [N / 32, Kp / 4, 32, 4] holding w + 128 (VNNI).
+// int8: packed int8 [N / 32, K, 32] (AVX-512 FMA), or uint8 [N / 32, Kp / 4, 32, 4] holding w + 128
+// (integer products: VNNI, AVX2).
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, int64_t N,
                           int64_t isa) {
-  bool vnni = isa == ISA_AVX512VNNI;
-  int64_t blocks = packed.size(0), K = x.size(-1), Kp = vnni ? packed.size(1) * 4 : packed.size(1);
-  TORCH_CHECK(vnni ? packed.scalar_type() == torch::kByte && packed.dim() == 4 && packed.size(2) == BLOCK &&
+  bool integer = isa == ISA_AVX512VNNI || isa == ISA_AVX2;  // the layout of integer products
+  int64_t blocks = packed.size(0), K = x.size(-1), Kp = integer ? packed.size(1) * 4 : packed.size(1);
+  TORCH_CHECK(integer ? packed.scalar_type() == torch::kByte && packed.dim() == 4 && packed.size(2) == BLOCK &&
                          packed.size(3) == 4 && Kp == (K + BLOCK - 1) / BLOCK * BLOCK
                    : packed.scalar_type() == torch::kChar && packed.dim() == 3 && packed.size(2) == BLOCK && Kp == K,
               "packed_linear_int8: a weight packed for ", isa_name(isa), " with ", K, " input features");
@@ -589,21 +672,21 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
               scales.is_contiguous(), "packed_linear_int8: float32 scales, one per packed column");
   auto x2 = rows_of(x, K);
   const float* sp = scales.data_ptr<float>();
-  if (vnni) return run_vnni<false>(x2, N, blocks, Kp, packed.data_ptr<uint8_t>(), sp, nullptr, false, Kp);
+  if (integer) return run_integer<false>(x2, N, blocks, Kp, packed.data_ptr<uint8_t>(), sp, nullptr, false, Kp, isa);
   const int8_t* wp = packed.data_ptr<int8_t>();
   return run_fma(x2, N, blocks, isa, [&](int64_t b, int64_t m) { return Int8{wp + b * K * BLOCK, sp + b * BLOCK, K}; });
 }
 
-// int4: packed uint8 [N / 32, Kp, 16] (FMA) or [N / 32, Kp / 4, 16, 4] (VNNI), Kp: K padded to
+// int4: packed uint8 [N / 32, Kp, 16] (AVX-512 FMA) or [N / 32, Kp / 4, 16, 4] (VNNI, AVX2), Kp: K padded to
 // whole groups (x may have fewer features: the padding meets no x); bf16 scales and zeros
 // [N / 32, groups, 2, 32], or scales alone [N / 32, groups, 32] where every zero is 0.
 torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz, int64_t N,
                           int64_t isa) {
-  bool vnni = isa == ISA_AVX512VNNI;
-  int64_t blocks = packed.size(0), Kp = vnni ? packed.size(1) * 4 : packed.size(1), groups = sz.size(1),
+  bool integer = isa == ISA_AVX512VNNI || isa == ISA_AVX2;  // the layout of integer products
+  int64_t blocks = packed.size(0), Kp = integer ? packed.size(1) * 4 : packed.size(1), groups = sz.size(1),
           K = x.size(-1);
-  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == (vnni ? 4 : 3) &&
-              packed.size(2) == BLOCK / 2 && (!vnni || packed.size(3) == 4) && blocks * BLOCK >= N,
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == (integer ? 4 : 3) &&
+              packed.size(2) == BLOCK / 2 && (!integer || packed.size(3) == 4) && blocks * BLOCK >= N,
               "packed_linear_int4: a uint8 weight packed for ", isa_name(isa));
   bool zeros = sz.dim() == 4;
   TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && (zeros ? sz.size(2) == 2 : sz.dim() == 3) &&
@@ -615,7 +698,7 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
   auto x2 = rows_of(x, K);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
-  if (vnni) return run_vnni<true>(x2, N, blocks, Kp, wp, nullptr, sp, zeros, group);
+  if (integer) return run_integer<true>(x2, N, blocks, Kp, wp, nullptr, sp, zeros, group, isa);
   int64_t M = x2.numel() / K;
   std::vector<float> xs(M * groups);  // sum of each row's x over each group
   const float* xp = x2.data_ptr<float>();

@@ -30,6 +30,9 @@ BLOCK = 32  # output columns per packed block (kernels.cpp)
 # are packed already) while it costs every warm start (compiling.needs_freezing).
 INDUCTOR_HINTS = {"freeze": False}
 ISA_CODES = {"avx2": 0, "avx512": 1, "avx512vnni": 2}  # the ops' isa argument (kernels.cpp)
+# Where int8 / int4 products are integer dot products: x rounded to int8 per 32 columns, the
+# weights packed with 4 consecutive k of a column side by side (kernels.cpp).
+INTEGER_ISAS = ("avx512vnni", "avx2")
 
 
 CFLAGS = ["-O3", "-fopenmp"]
@@ -335,11 +338,11 @@ def pack(w: Tensor, k_multiple: int = 1, n: int = 1, block: int = BLOCK, out: Op
 
 def pack_int8(weight: Tensor, scales: Tensor, isa: str) -> tuple:
     """quantized.py's int8 weight [N, K] and scales [N] -> (the weight packed for `isa`, fp32
-    scales [N padded to 32]). "avx512vnni": uint8 w + 128 [N / 32, Kp / 4, 32, 4] (Kp: K padded
-    to 32), the 4 k of a column in one lane of vpdpbusd; else int8 [N / 32, K, 32]."""
+    scales [N padded to 32]). INTEGER_ISAS: uint8 w + 128 [N / 32, Kp / 4, 32, 4] (Kp: K padded
+    to 32), the 4 k of a column in one 32-bit lane; else int8 [N / 32, K, 32]."""
     padded = torch.ones(-(-len(scales) // BLOCK) * BLOCK)
     padded[:len(scales)] = scales.float()
-    if isa != "avx512vnni":
+    if isa not in INTEGER_ISAS:
         return pack(weight), padded
     q = pack(weight.view(torch.uint8), k_multiple=BLOCK, n=4)
     q ^= 128  # w + 128 is w's bit pattern with the top bit flipped (padding: 128, i.e. w = 0)
@@ -348,7 +351,7 @@ def pack_int8(weight: Tensor, scales: Tensor, isa: str) -> tuple:
 
 def pack_int4(codes: Tensor, scales_and_zeros: Tensor, isa: str) -> tuple:
     """quantized.py's int4 codes [N, Kp] (0..15) and bf16 scales_and_zeros [G, N, 2] -> (uint8
-    [N / 32, Kp, 16], or [N / 32, Kp / 4, 16, 4] for "avx512vnni", holding columns j and j + 16
+    [N / 32, Kp, 16], or [N / 32, Kp / 4, 16, 4] for INTEGER_ISAS, holding columns j and j + 16
     of a block in byte j's low and high nibbles; bf16 [N / 32, G, 2, 32], or the scales alone
     [N / 32, G, 32] where every zero is 0: a symmetric checkpoint's 4.5 bits a weight, not 5)."""
     N, Kp = codes.shape
@@ -357,7 +360,7 @@ def pack_int4(codes: Tensor, scales_and_zeros: Tensor, isa: str) -> tuple:
     halves = codes.to(torch.uint8).view(-1, 2, BLOCK // 2, Kp)  # [blocks, columns j / j + 16, 16, Kp]
     both = halves[:, 1] << 4
     both |= halves[:, 0]  # [blocks, 16, Kp]: j's code low, j + 16's high
-    q = pack(both.view(-1, Kp), n=4 if isa == "avx512vnni" else 1, block=BLOCK // 2)
+    q = pack(both.view(-1, Kp), n=4 if isa in INTEGER_ISAS else 1, block=BLOCK // 2)
     G, N, _ = scales_and_zeros.shape
     sz = torch.zeros(G, -(-N // BLOCK) * BLOCK, 2, dtype=torch.bfloat16)
     sz[:, :N] = scales_and_zeros

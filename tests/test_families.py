@@ -98,13 +98,13 @@ def test_longrope_long_factors_past_the_original_context(converted):
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_int8_within_bound(family, converted):
     """int8 weights move the logits by ~3% on these 2-3 layer models (tests/test_quantize.py's bound: 5%);
-    kernels.cpp's VNNI product also rounds the activations to int8 (up to 6% measured: bound 8%)."""
+    kernels.cpp's integer products (VNNI, AVX2) also round the activations to int8 (up to 6% measured: bound 8%)."""
     _, path = converted(family)
     base = load_model(path)
     int8 = load_model(quantize.quantize_checkpoint(path, "int8", output_path=path.with_name(f"{family}_int8.pth")))
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
     expected, got = our_logits(base, ids), our_logits(int8, ids)
-    assert float((got - expected).norm() / expected.norm()) < (0.08 if kernels.best_isa() == "avx512vnni" else 0.05)
+    assert float((got - expected).norm() / expected.norm()) < (0.08 if kernels.best_isa() in kernels.INTEGER_ISAS else 0.05)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "qwen3_moe", "smollm3"])
