@@ -1,7 +1,8 @@
 // Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
 // Products for a few rows that stream each weight once: y[M, N] = x[M, K] @ W[N, K]^T, x and y fp32,
 // W fp32, int8 (one scale per output column) or int4 (a scale and a zero per group of input columns);
-// or x, W and y bf16 (fp32 sums) where the CPU has AVX-512 BF16, a prompt's rows on AMX tiles where it has them.
+// or x, W and y bf16 (fp32 sums; dot products where the CPU has AVX-512 BF16, a prompt's rows on AMX
+// tiles where it has them).
 //
 // W is packed once (kernels.py) as [N / 32, K, 32] (N padded with zero rows): the 32 output columns
 // of a block are one contiguous stream, read once from memory for all M rows (up to 8 at a time from
@@ -9,6 +10,7 @@
 // broadcasts x[m, k] and adds their product into the row's accumulators: no horizontal sums, no
 // repacking of x. Quantized weights are scaled per block of the sum, not per weight: int8 once at
 // the end, int4 once per group, where sum_k x (q - 8) s + x z = s * sum_k x q + (z - 8 s) * sum_k x.
+// With AVX-512 VNNI, or AVX2 alone, int8 / int4 multiply bytes in integers instead (below).
 // Blocks are split between torch's threads. Built at first use by kernels.py; the instruction set
 // is picked at run time (functions compiled per target, chosen by what the CPU reports).
 #include <torch/extension.h>
@@ -358,7 +360,8 @@ AVX2 static void tile_avx2_int(const QuantizedRows& x, int64_t m0, int64_t Kp, c
         prefetch_ahead(p);
         __m256i v0 = _mm256_loadu_si256((const __m256i*)p), v1 = _mm256_loadu_si256((const __m256i*)(p + 32));
         __m256i c[4] = {_mm256_and_si256(v0, low), _mm256_and_si256(v1, low),
-                        _mm256_and_si256(_mm256_srli_epi16(v0, 4), low), _mm256_and_si256(_mm256_srli_epi16(v1, 4), low)};
+                        _mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
+                        _mm256_and_si256(_mm256_srli_epi16(v1, 4), low)};
         for (int m = 0; m < ROWS; m++) {
           __m256i xb = _mm256_set1_epi32(xq[m * Kp / 4 + kq]);
           for (int j = 0; j < 4; j++) ia[m][j] = _mm256_add_epi16(ia[m][j], _mm256_maddubs_epi16(c[j], xb));
@@ -373,8 +376,10 @@ AVX2 static void tile_avx2_int(const QuantizedRows& x, int64_t m0, int64_t Kp, c
         }
         for (int m = 0; m < ROWS; m++) {
           __m256i xb = _mm256_set1_epi32(xq[m * Kp / 4 + kq]);
-          for (int j = 0; j < 4; j++)
-            ia[m][j] = _mm256_add_epi32(ia[m][j], _mm256_madd_epi16(_mm256_maddubs_epi16(a[j], _mm256_sign_epi8(xb, v[j])), ones));
+          for (int j = 0; j < 4; j++) {
+            __m256i pairs = _mm256_maddubs_epi16(a[j], _mm256_sign_epi8(xb, v[j]));  // |w| (x with w's sign)
+            ia[m][j] = _mm256_add_epi32(ia[m][j], _mm256_madd_epi16(pairs, ones));
+          }
         }
       }
     }
@@ -385,8 +390,10 @@ AVX2 static void tile_avx2_int(const QuantizedRows& x, int64_t m0, int64_t Kp, c
       for (int j = 0; j < 4; j++) s[j] = f.scale256(g, 8 * j);
       for (int m = 0; m < ROWS; m++) {
         __m256 d = _mm256_set1_ps(x.d[(m0 + m) * nb + b]);
-        for (int j = 0; j < 4; j++)
-          fa[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(ia[m][j], ones)), _mm256_mul_ps(d, s[j]), fa[m][j]);
+        for (int j = 0; j < 4; j++) {
+          __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(ia[m][j], ones));
+          fa[m][j] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, s[j]), fa[m][j]);
+        }
       }
       if ((b + 1) * BLOCK % group == 0) {
         for (int j = 0; j < 4; j++) s[j] = f.offset256(g, 8 * j);
