@@ -546,6 +546,8 @@ AMX static void tile_amx_bf16(const uint32_t* x, int64_t K2, const uint32_t* w, 
 
 // The ops' isa argument (kernels.ISA_CODES).
 constexpr int64_t ISA_AVX2 = 0, ISA_AVX512 = 1, ISA_AVX512VNNI = 2;
+// Rows of an AVX2 integer tile: 12 integer sums in registers (the fp32 ones, touched once a block,
+// may spill); 2 and 4 ran within this VM's noise of it on Zen 3.
 constexpr int AVX2_INT_ROWS = 3;
 static const char* isa_name(int64_t isa) {
   return isa == ISA_AVX2 ? "avx2" : isa == ISA_AVX512 ? "avx512" : isa == ISA_AVX512VNNI ? "avx512vnni" : "?";
