@@ -123,18 +123,16 @@ AVX512 static inline void add_group(const W& w, int64_t g, __m512 (&acc)[ROWS][2
   }
 }
 
-template <int ROWS, int V, class W>  // V vectors of 8 columns from column c0
+// AVX2 (fp32, and int8's integer sums; int4 is integer there and adds its own offsets): V vectors
+// of 8 columns from column c0.
+template <int ROWS, int V, class W>
 AVX2 static inline void add_group(const W& w, int64_t g, int64_t c0, __m256 (&acc)[ROWS][V],
                                   float (*out)[BLOCK]) {
   for (int j = 0; j < V; j++) {
     int64_t c = c0 + 8 * j;
-    __m256 s = w.scale256(g, c), offset = _mm256_setzero_ps();
-    if constexpr (std::is_same_v<W, Int4>) offset = w.offset256(g, c);
-    for (int m = 0; m < ROWS; m++) {
-      __m256 o = _mm256_fmadd_ps(acc[m][j], s, _mm256_loadu_ps(out[m] + c));
-      if constexpr (std::is_same_v<W, Int4>) o = _mm256_fmadd_ps(offset, _mm256_set1_ps(w.xsum[m * w.groups + g]), o);
-      _mm256_storeu_ps(out[m] + c, o);
-    }
+    __m256 s = w.scale256(g, c);
+    for (int m = 0; m < ROWS; m++)
+      _mm256_storeu_ps(out[m] + c, _mm256_fmadd_ps(acc[m][j], s, _mm256_loadu_ps(out[m] + c)));
   }
 }
 
@@ -546,6 +544,8 @@ AMX static void tile_amx_bf16(const uint32_t* x, int64_t K2, const uint32_t* w, 
 
 // The ops' isa argument (kernels.ISA_CODES).
 constexpr int64_t ISA_AVX2 = 0, ISA_AVX512 = 1, ISA_AVX512VNNI = 2;
+// Where int8 / int4 are integer products, on their layout (kernels.INTEGER_ISAS).
+static bool integer_products(int64_t isa) { return isa == ISA_AVX512VNNI || isa == ISA_AVX2; }
 // Rows of an AVX2 integer tile: 12 integer sums in registers (the fp32 ones, touched once a block,
 // may spill); 2 and 4 ran within this VM's noise of it on Zen 3.
 constexpr int AVX2_INT_ROWS = 3;
@@ -674,7 +674,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
 // (integer products: VNNI, AVX2).
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, int64_t N,
                           int64_t isa) {
-  bool integer = isa == ISA_AVX512VNNI || isa == ISA_AVX2;  // the layout of integer products
+  bool integer = integer_products(isa);
   int64_t blocks = packed.size(0), K = x.size(-1), Kp = integer ? packed.size(1) * 4 : packed.size(1);
   TORCH_CHECK(integer ? packed.scalar_type() == torch::kByte && packed.dim() == 4 && packed.size(2) == BLOCK &&
                          packed.size(3) == 4 && Kp == (K + BLOCK - 1) / BLOCK * BLOCK
@@ -694,7 +694,7 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
 // [N / 32, groups, 2, 32], or scales alone [N / 32, groups, 32] where every zero is 0.
 torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz, int64_t N,
                           int64_t isa) {
-  bool integer = isa == ISA_AVX512VNNI || isa == ISA_AVX2;  // the layout of integer products
+  bool integer = integer_products(isa);
   int64_t blocks = packed.size(0), Kp = integer ? packed.size(1) * 4 : packed.size(1), groups = sz.size(1),
           K = x.size(-1);
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == (integer ? 4 : 3) &&
