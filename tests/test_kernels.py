@@ -26,6 +26,11 @@ def isa(request):
     return request.param
 
 
+def inputs(rows, k):
+    """`rows` rows of x: 2-D for odd counts (a 1-row product tested as itself), 3-D for even ones."""
+    return torch.randn(rows, k) if rows % 2 else torch.randn(2, rows // 2, k)
+
+
 @pytest.mark.parametrize("n,k", [(576, 576), (100, 64), (33, 7), (1, 5), (64, 300)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_float64_product(isa, n, k, bias):
@@ -35,7 +40,7 @@ def test_packed_linear_equals_float64_product(isa, n, k, bias):
     linear = nn.Linear(k, n, bias=bias)
     packed = kernels.PackedLinear(linear, isa)
     for rows in (1, 2, 5, 6, 7, 8, 9, 13, 16, 17, 40):
-        x = torch.randn(rows, k) if rows % 2 else torch.randn(2, rows // 2, k)  # odd counts; 3-D inputs
+        x = inputs(rows, k)
         expected = (x.double() @ linear.weight.double().T + (linear.bias.double() if bias else 0)).float()
         torch.testing.assert_close(packed(x), expected, rtol=1e-5, atol=1e-5)
 
@@ -68,7 +73,7 @@ def test_packed_int8_equals_float64_product(isa, n, k):
     m.isa, (m.weight, m.scales) = isa, kernels.pack_int8(q, scales, isa)
     deq = quantized.dequantize_int8(q, scales).double()
     for rows in ROWS:
-        x = torch.randn(rows, k) if rows % 2 else torch.randn(2, rows // 2, k)  # odd counts; 3-D inputs
+        x = inputs(rows, k)
         expected = (rounded_activations(x, isa) @ deq.T + m.bias.double()).float()
         torch.testing.assert_close(m(x), expected, rtol=1e-5, atol=1e-4)  # |y| ~ sqrt(k)
 
@@ -86,7 +91,7 @@ def test_packed_int4_equals_float64_product(isa, n, k, groupsize, symmetric):
     packed, packed_sz = kernels.pack_int4(quantized.unpack_int4(w), sz, isa)
     assert packed_sz.dim() == (3 if symmetric else 4)
     for rows in ROWS:
-        x = torch.randn(rows, k) if rows % 2 else torch.randn(2, rows // 2, k)  # odd counts; 3-D inputs
+        x = inputs(rows, k)
         expected = (rounded_activations(x, isa) @ deq.T).float()
         got = torch.ops.brisk.packed_linear_int4(x, packed, packed_sz, n, kernels.ISA_CODES[isa])
         # fp32 sums of terms up to 15 s |x| (the codes are not centred): a few 1e-4 off at |y| ~ 20.
@@ -107,7 +112,7 @@ def test_packed_bf16_equals_float64_product(isa, n, k):
     linear = nn.Linear(k, n).bfloat16()
     packed = kernels.PackedLinear(linear, isa)
     for rows in ROWS:
-        x = (torch.randn(rows, k) if rows % 2 else torch.randn(2, rows // 2, k)).bfloat16()
+        x = inputs(rows, k).bfloat16()
         got = packed(x)
         assert got.dtype == torch.bfloat16
         expected = x.double() @ linear.weight.double().T + linear.bias.double()
