@@ -26,6 +26,10 @@
 constexpr int64_t BLOCK = 32;
 #define AVX512 __attribute__((target("avx512f")))
 #define AVX2 __attribute__((target("avx2,fma")))
+// On the loops over a tile's rows and vectors: unrolled completely from the start, GCC keeps the
+// tile's sums in registers; left to its own heuristics (GCC 12, -O3), it unrolled them later and
+// stored every sum to the stack on every step of k, which bounded an AVX2 tile by its stores.
+#define UNROLL _Pragma("GCC unroll 32")
 
 AVX512 static inline __m512 bf16x16(const uint16_t* p) {  // 16 bf16 -> fp32 (bf16 is fp32's top half)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
@@ -58,7 +62,7 @@ struct F32 {
   }
   AVX2 void get(int64_t k, __m256 (&v)[4]) const {  // the whole block row (one or two rows of x)
     prefetch_ahead_l1(w + k * BLOCK), prefetch_ahead_l1(w + k * BLOCK + 16);
-    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(w + k * BLOCK + 8 * i);
+    UNROLL for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(w + k * BLOCK + 8 * i);
   }
   AVX512 __m512 scale512(int64_t g, int64_t c) const { return _mm512_set1_ps(1.f); }
   AVX2 __m256 scale256(int64_t g, int64_t c) const { return _mm256_set1_ps(1.f); }
@@ -112,10 +116,10 @@ struct Int4 {
 // out[m, c] += scale[c] * acc[m, c] (+ offset[c] * sum of row m's x over the group, int4)
 template <int ROWS, class W>
 AVX512 static inline void add_group(const W& w, int64_t g, __m512 (&acc)[ROWS][2], float (*out)[BLOCK]) {
-  for (int j = 0; j < 2; j++) {
+  UNROLL for (int j = 0; j < 2; j++) {
     __m512 s = w.scale512(g, 16 * j), offset = _mm512_setzero_ps();
     if constexpr (std::is_same_v<W, Int4>) offset = w.offset512(g, 16 * j);
-    for (int m = 0; m < ROWS; m++) {
+    UNROLL for (int m = 0; m < ROWS; m++) {
       __m512 o = _mm512_fmadd_ps(acc[m][j], s, _mm512_loadu_ps(out[m] + 16 * j));
       if constexpr (std::is_same_v<W, Int4>) o = _mm512_fmadd_ps(offset, _mm512_set1_ps(w.xsum[m * w.groups + g]), o);
       _mm512_storeu_ps(out[m] + 16 * j, o);
@@ -128,10 +132,10 @@ AVX512 static inline void add_group(const W& w, int64_t g, __m512 (&acc)[ROWS][2
 template <int ROWS, int V, class W>
 AVX2 static inline void add_group(const W& w, int64_t g, int64_t c0, __m256 (&acc)[ROWS][V],
                                   float (*out)[BLOCK]) {
-  for (int j = 0; j < V; j++) {
+  UNROLL for (int j = 0; j < V; j++) {
     int64_t c = c0 + 8 * j;
     __m256 s = w.scale256(g, c);
-    for (int m = 0; m < ROWS; m++)
+    UNROLL for (int m = 0; m < ROWS; m++)
       _mm256_storeu_ps(out[m] + c, _mm256_fmadd_ps(acc[m][j], s, _mm256_loadu_ps(out[m] + c)));
   }
 }
@@ -141,11 +145,11 @@ template <int ROWS, class W>
 AVX512 static void tile_avx512(const float* x, int64_t K, const W& w, float (*out)[BLOCK]) {
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += w.group, g++) {
     __m512 acc[ROWS][2];
-    for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    UNROLL for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t k = k0, k1 = std::min(K, k0 + w.group); k < k1; k++) {
       __m512 w0, w1;
       w.get(k, w0, w1);
-      for (int m = 0; m < ROWS; m++) {
+      UNROLL for (int m = 0; m < ROWS; m++) {
         __m512 xk = _mm512_set1_ps(x[m * K + k]);
         acc[m][0] = _mm512_fmadd_ps(xk, w0, acc[m][0]);
         acc[m][1] = _mm512_fmadd_ps(xk, w1, acc[m][1]);
@@ -161,11 +165,11 @@ AVX2 static void tile_avx2(const float* x, int64_t K, const W& w, float (*out)[B
   for (int64_t half = 0; half < BLOCK; half += 16) {
     for (int64_t k0 = 0, g = 0; k0 < K; k0 += w.group, g++) {
       __m256 acc[ROWS][2];
-      for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+      UNROLL for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
       for (int64_t k = k0, k1 = std::min(K, k0 + w.group); k < k1; k++) {
         __m256 w0, w1;
         w.get(k, half, w0, w1);
-        for (int m = 0; m < ROWS; m++) {
+        UNROLL for (int m = 0; m < ROWS; m++) {
           __m256 xk = _mm256_broadcast_ss(x + m * K + k);
           acc[m][0] = _mm256_fmadd_ps(xk, w0, acc[m][0]);
           acc[m][1] = _mm256_fmadd_ps(xk, w1, acc[m][1]);
@@ -180,9 +184,9 @@ template <int ROWS, class W>  // acc[m] += x[m, k] * the block's row k
 AVX2 static inline void add_row(const float* x, int64_t K, const W& w, int64_t k, __m256 (&acc)[ROWS][4]) {
   __m256 v[4];
   w.get(k, v);
-  for (int m = 0; m < ROWS; m++) {
+  UNROLL for (int m = 0; m < ROWS; m++) {
     __m256 xk = _mm256_broadcast_ss(x + m * K + k);
-    for (int i = 0; i < 4; i++) acc[m][i] = _mm256_fmadd_ps(xk, v[i], acc[m][i]);
+    UNROLL for (int i = 0; i < 4; i++) acc[m][i] = _mm256_fmadd_ps(xk, v[i], acc[m][i]);
   }
 }
 
@@ -194,16 +198,16 @@ AVX2 static void tile_avx2_decode(const float* x, int64_t K, const W& w, float (
   constexpr int U = ROWS == 1 ? 2 : 1;
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += w.group, g++) {
     __m256 acc[U][ROWS][4];
-    for (int u = 0; u < U; u++)
-      for (int m = 0; m < ROWS; m++)
-        for (int i = 0; i < 4; i++) acc[u][m][i] = _mm256_setzero_ps();
+    UNROLL for (int u = 0; u < U; u++)
+      UNROLL for (int m = 0; m < ROWS; m++)
+        UNROLL for (int i = 0; i < 4; i++) acc[u][m][i] = _mm256_setzero_ps();
     int64_t k = k0, k1 = std::min(K, k0 + w.group);
     for (; k + U <= k1; k += U)
-      for (int u = 0; u < U; u++) add_row<ROWS>(x, K, w, k + u, acc[u]);
+      UNROLL for (int u = 0; u < U; u++) add_row<ROWS>(x, K, w, k + u, acc[u]);
     for (; k < k1; k++) add_row<ROWS>(x, K, w, k, acc[0]);
-    for (int u = 1; u < U; u++)
-      for (int m = 0; m < ROWS; m++)
-        for (int i = 0; i < 4; i++) acc[0][m][i] = _mm256_add_ps(acc[0][m][i], acc[u][m][i]);
+    UNROLL for (int u = 1; u < U; u++)
+      UNROLL for (int m = 0; m < ROWS; m++)
+        UNROLL for (int i = 0; i < 4; i++) acc[0][m][i] = _mm256_add_ps(acc[0][m][i], acc[u][m][i]);
     add_group<ROWS, 4>(w, g, 0, acc[0], out);
   }
 }
@@ -245,13 +249,13 @@ AVX2 static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, in
         p = tail;
       }
       __m256 v[4], amax = _mm256_setzero_ps();
-      for (int i = 0; i < 4; i++) {
+      UNROLL for (int i = 0; i < 4; i++) {
         v[i] = _mm256_loadu_ps(p + 8 * i);
         amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[i]));
       }
       float a = max8(amax), d = a / 127.f, inv = a > 0 ? 127.f / a : 0.f;
       __m256i q[4], sum = _mm256_setzero_si256();
-      for (int i = 0; i < 4; i++) {
+      UNROLL for (int i = 0; i < 4; i++) {
         q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));  // round to nearest even
         sum = _mm256_add_epi32(sum, q[i]);
       }
@@ -281,10 +285,10 @@ VNNI static void tile_vnni(const QuantizedRows& x, int64_t m0, int64_t Kp, const
   int64_t nb = Kp / BLOCK, groups = Kp / group;
   const int32_t* xq = reinterpret_cast<const int32_t*>(x.q.data()) + m0 * Kp / 4;
   __m512 fa[ROWS][2];
-  for (int m = 0; m < ROWS; m++) fa[m][0] = fa[m][1] = _mm512_setzero_ps();
+  UNROLL for (int m = 0; m < ROWS; m++) fa[m][0] = fa[m][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     __m512i ia[ROWS][2];
-    for (int m = 0; m < ROWS; m++) ia[m][0] = ia[m][1] = _mm512_setzero_si512();
+    UNROLL for (int m = 0; m < ROWS; m++) ia[m][0] = ia[m][1] = _mm512_setzero_si512();
     for (int64_t kq = b * BLOCK / 4; kq < (b + 1) * BLOCK / 4; kq++) {
       __m512i w0, w1;
       prefetch_ahead(w + kq * (INT4 ? 64 : 128));
@@ -295,7 +299,7 @@ VNNI static void tile_vnni(const QuantizedRows& x, int64_t m0, int64_t Kp, const
       } else {
         w0 = _mm512_loadu_si512(w + kq * 128), w1 = _mm512_loadu_si512(w + kq * 128 + 64);
       }
-      for (int m = 0; m < ROWS; m++) {
+      UNROLL for (int m = 0; m < ROWS; m++) {
         __m512i xb = _mm512_set1_epi32(xq[m * Kp / 4 + kq]);
         ia[m][0] = _mm512_dpbusd_epi32(ia[m][0], w0, xb);
         ia[m][1] = _mm512_dpbusd_epi32(ia[m][1], w1, xb);
@@ -305,30 +309,30 @@ VNNI static void tile_vnni(const QuantizedRows& x, int64_t m0, int64_t Kp, const
       Int4 f{nullptr, sz, nullptr, group, groups, zeros};
       int64_t g = b * BLOCK / group;
       __m512 s[2] = {f.scale512(g, 0), f.scale512(g, 16)};
-      for (int m = 0; m < ROWS; m++) {
+      UNROLL for (int m = 0; m < ROWS; m++) {
         __m512 d = _mm512_set1_ps(x.d[(m0 + m) * nb + b]);
-        for (int j = 0; j < 2; j++)
+        UNROLL for (int j = 0; j < 2; j++)
           fa[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m][j]), _mm512_mul_ps(d, s[j]), fa[m][j]);
       }
       if ((b + 1) * BLOCK % group == 0) {
         __m512 offset[2] = {f.offset512(g, 0), f.offset512(g, 16)};
-        for (int m = 0; m < ROWS; m++) {
+        UNROLL for (int m = 0; m < ROWS; m++) {
           __m512 xs = _mm512_set1_ps(xsum[(m0 + m) * groups + g]);
-          for (int j = 0; j < 2; j++) fa[m][j] = _mm512_fmadd_ps(offset[j], xs, fa[m][j]);
+          UNROLL for (int j = 0; j < 2; j++) fa[m][j] = _mm512_fmadd_ps(offset[j], xs, fa[m][j]);
         }
       }
     } else {  // sum w q = sum (w + 128) q - 128 sum q, times d
-      for (int m = 0; m < ROWS; m++) {
+      UNROLL for (int m = 0; m < ROWS; m++) {
         __m512 d = _mm512_set1_ps(x.d[(m0 + m) * nb + b]);
         __m512i shift = _mm512_set1_epi32(128 * x.sum[(m0 + m) * nb + b]);
-        for (int j = 0; j < 2; j++)
+        UNROLL for (int j = 0; j < 2; j++)
           fa[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ia[m][j], shift)), d, fa[m][j]);
       }
     }
   }
   if constexpr (INT4) {
-    for (int m = 0; m < ROWS; m++)
-      for (int j = 0; j < 2; j++) _mm512_storeu_ps(out[m] + 16 * j, fa[m][j]);
+    UNROLL for (int m = 0; m < ROWS; m++)
+      UNROLL for (int j = 0; j < 2; j++) _mm512_storeu_ps(out[m] + 16 * j, fa[m][j]);
   } else {
     add_group<ROWS>(Int8{nullptr, scales, Kp}, 0, fa, out);
   }
@@ -346,12 +350,12 @@ AVX2 static void tile_avx2_int(const QuantizedRows& x, int64_t m0, int64_t Kp, c
   const int32_t* xq = reinterpret_cast<const int32_t*>(x.q.data()) + m0 * Kp / 4;
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(-128);
   __m256 fa[ROWS][4];
-  for (int m = 0; m < ROWS; m++)
-    for (int j = 0; j < 4; j++) fa[m][j] = _mm256_setzero_ps();
+  UNROLL for (int m = 0; m < ROWS; m++)
+    UNROLL for (int j = 0; j < 4; j++) fa[m][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     __m256i ia[ROWS][4];
-    for (int m = 0; m < ROWS; m++)
-      for (int j = 0; j < 4; j++) ia[m][j] = _mm256_setzero_si256();
+    UNROLL for (int m = 0; m < ROWS; m++)
+      UNROLL for (int j = 0; j < 4; j++) ia[m][j] = _mm256_setzero_si256();
     for (int64_t kq = b * BLOCK / 4; kq < (b + 1) * BLOCK / 4; kq++) {
       if constexpr (INT4) {  // vectors of columns 0-7, 8-15 (low nibbles), 16-23, 24-31 (high)
         const uint8_t* p = w + kq * 64;
@@ -360,21 +364,21 @@ AVX2 static void tile_avx2_int(const QuantizedRows& x, int64_t m0, int64_t Kp, c
         __m256i c[4] = {_mm256_and_si256(v0, low), _mm256_and_si256(v1, low),
                         _mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
                         _mm256_and_si256(_mm256_srli_epi16(v1, 4), low)};
-        for (int m = 0; m < ROWS; m++) {
+        UNROLL for (int m = 0; m < ROWS; m++) {
           __m256i xb = _mm256_set1_epi32(xq[m * Kp / 4 + kq]);
-          for (int j = 0; j < 4; j++) ia[m][j] = _mm256_add_epi16(ia[m][j], _mm256_maddubs_epi16(c[j], xb));
+          UNROLL for (int j = 0; j < 4; j++) ia[m][j] = _mm256_add_epi16(ia[m][j], _mm256_maddubs_epi16(c[j], xb));
         }
       } else {
         const uint8_t* p = w + kq * 128;
         prefetch_ahead(p), prefetch_ahead(p + 64);
         __m256i v[4], a[4];
-        for (int j = 0; j < 4; j++) {
+        UNROLL for (int j = 0; j < 4; j++) {
           v[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 32 * j)), top);  // w
           a[j] = _mm256_abs_epi8(v[j]);
         }
-        for (int m = 0; m < ROWS; m++) {
+        UNROLL for (int m = 0; m < ROWS; m++) {
           __m256i xb = _mm256_set1_epi32(xq[m * Kp / 4 + kq]);
-          for (int j = 0; j < 4; j++) {
+          UNROLL for (int j = 0; j < 4; j++) {
             __m256i pairs = _mm256_maddubs_epi16(a[j], _mm256_sign_epi8(xb, v[j]));  // |w| (x with w's sign)
             ia[m][j] = _mm256_add_epi32(ia[m][j], _mm256_madd_epi16(pairs, ones));
           }
@@ -385,31 +389,31 @@ AVX2 static void tile_avx2_int(const QuantizedRows& x, int64_t m0, int64_t Kp, c
       Int4 f{nullptr, sz, nullptr, group, groups, zeros};
       int64_t g = b * BLOCK / group;
       __m256 s[4];
-      for (int j = 0; j < 4; j++) s[j] = f.scale256(g, 8 * j);
-      for (int m = 0; m < ROWS; m++) {
+      UNROLL for (int j = 0; j < 4; j++) s[j] = f.scale256(g, 8 * j);
+      UNROLL for (int m = 0; m < ROWS; m++) {
         __m256 d = _mm256_set1_ps(x.d[(m0 + m) * nb + b]);
-        for (int j = 0; j < 4; j++) {
+        UNROLL for (int j = 0; j < 4; j++) {
           __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(ia[m][j], ones));
           fa[m][j] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, s[j]), fa[m][j]);
         }
       }
       if ((b + 1) * BLOCK % group == 0) {
-        for (int j = 0; j < 4; j++) s[j] = f.offset256(g, 8 * j);
-        for (int m = 0; m < ROWS; m++) {
+        UNROLL for (int j = 0; j < 4; j++) s[j] = f.offset256(g, 8 * j);
+        UNROLL for (int m = 0; m < ROWS; m++) {
           __m256 xs = _mm256_set1_ps(xsum[(m0 + m) * groups + g]);
-          for (int j = 0; j < 4; j++) fa[m][j] = _mm256_fmadd_ps(s[j], xs, fa[m][j]);
+          UNROLL for (int j = 0; j < 4; j++) fa[m][j] = _mm256_fmadd_ps(s[j], xs, fa[m][j]);
         }
       }
     } else {
-      for (int m = 0; m < ROWS; m++) {
+      UNROLL for (int m = 0; m < ROWS; m++) {
         __m256 d = _mm256_set1_ps(x.d[(m0 + m) * nb + b]);
-        for (int j = 0; j < 4; j++) fa[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][j]), d, fa[m][j]);
+        UNROLL for (int j = 0; j < 4; j++) fa[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][j]), d, fa[m][j]);
       }
     }
   }
   if constexpr (INT4) {
-    for (int m = 0; m < ROWS; m++)
-      for (int j = 0; j < 4; j++) _mm256_storeu_ps(out[m] + 8 * j, fa[m][j]);
+    UNROLL for (int m = 0; m < ROWS; m++)
+      UNROLL for (int j = 0; j < 4; j++) _mm256_storeu_ps(out[m] + 8 * j, fa[m][j]);
   } else {
     add_group<ROWS, 4>(Int8{nullptr, scales, Kp}, 0, 0, fa, out);
   }
@@ -423,17 +427,17 @@ AVX2 static void tile_avx2_int(const QuantizedRows& x, int64_t m0, int64_t Kp, c
 template <int ROWS>
 BF16DOT static void tile_bf16(const uint32_t* x, int64_t K2, const uint32_t* w, float (*out)[BLOCK]) {
   __m512 acc[ROWS][2];
-  for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  UNROLL for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K2; k++) {
     prefetch_ahead(w + k * BLOCK), prefetch_ahead(w + k * BLOCK + 16);
     __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k * BLOCK), w1 = (__m512bh)_mm512_loadu_si512(w + k * BLOCK + 16);
-    for (int m = 0; m < ROWS; m++) {
+    UNROLL for (int m = 0; m < ROWS; m++) {
       __m512bh xk = (__m512bh)_mm512_set1_epi32(x[m * K2 + k]);
       acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xk);
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xk);
     }
   }
-  for (int m = 0; m < ROWS; m++) {
+  UNROLL for (int m = 0; m < ROWS; m++) {
     _mm512_storeu_ps(out[m], acc[m][0]);
     _mm512_storeu_ps(out[m] + 16, acc[m][1]);
   }
@@ -448,24 +452,24 @@ AVX2 static void tile_avx2_bf16(const uint32_t* x, int64_t K2, const uint32_t* w
   static_assert(ROWS <= 2, "8 sums, the weights and x: within the 16 registers");
   const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   __m256 acc[ROWS][4];
-  for (int m = 0; m < ROWS; m++)
-    for (int i = 0; i < 4; i++) acc[m][i] = _mm256_setzero_ps();
+  UNROLL for (int m = 0; m < ROWS; m++)
+    UNROLL for (int i = 0; i < 4; i++) acc[m][i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K2; k++) {
     prefetch_ahead(w + k * BLOCK), prefetch_ahead(w + k * BLOCK + 16);
     __m256 even[ROWS], odd[ROWS];
-    for (int m = 0; m < ROWS; m++) {
+    UNROLL for (int m = 0; m < ROWS; m++) {
       __m256i xk = _mm256_set1_epi32(static_cast<int32_t>(x[m * K2 + k]));
       even[m] = _mm256_castsi256_ps(_mm256_slli_epi32(xk, 16));
       odd[m] = _mm256_castsi256_ps(_mm256_and_si256(xk, high));
     }
-    for (int i = 0; i < 4; i++) {
+    UNROLL for (int i = 0; i < 4; i++) {
       __m256i v = _mm256_loadu_si256((const __m256i*)(w + k * BLOCK + 8 * i));
       __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-      for (int m = 0; m < ROWS; m++) acc[m][i] = _mm256_fmadd_ps(odd[m], wo, _mm256_fmadd_ps(even[m], we, acc[m][i]));
+      UNROLL for (int m = 0; m < ROWS; m++) acc[m][i] = _mm256_fmadd_ps(odd[m], wo, _mm256_fmadd_ps(even[m], we, acc[m][i]));
     }
   }
-  for (int m = 0; m < ROWS; m++)
-    for (int i = 0; i < 4; i++) _mm256_storeu_ps(out[m] + 8 * i, acc[m][i]);
+  UNROLL for (int m = 0; m < ROWS; m++)
+    UNROLL for (int i = 0; i < 4; i++) _mm256_storeu_ps(out[m] + 8 * i, acc[m][i]);
 }
 
 bool has_bf16_dot() {
