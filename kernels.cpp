@@ -159,24 +159,48 @@ AVX512 static void tile_avx512(const float* x, int64_t K, const W& w, float (*ou
   }
 }
 
-// AVX2: 16 registers, so half a block (two vectors) at a time for up to 6 rows: 12 accumulators.
-template <int ROWS, class W>
-AVX2 static void tile_avx2(const float* x, int64_t K, const W& w, float (*out)[BLOCK]) {
-  for (int64_t half = 0; half < BLOCK; half += 16) {
-    for (int64_t k0 = 0, g = 0; k0 < K; k0 += w.group, g++) {
-      __m256 acc[ROWS][2];
-      UNROLL for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-      for (int64_t k = k0, k1 = std::min(K, k0 + w.group); k < k1; k++) {
-        __m256 w0, w1;
-        w.get(k, half, w0, w1);
-        UNROLL for (int m = 0; m < ROWS; m++) {
-          __m256 xk = _mm256_broadcast_ss(x + m * K + k);
-          acc[m][0] = _mm256_fmadd_ps(xk, w0, acc[m][0]);
-          acc[m][1] = _mm256_fmadd_ps(xk, w1, acc[m][1]);
-        }
-      }
-      add_group<ROWS, 2>(w, g, half, acc, out);
+template <int R, int MAX, class F>
+static void with_rows(int64_t rows, F&& f) {  // f(std::integral_constant<int, rows>)
+  if constexpr (R < MAX) {
+    if (rows != R) return with_rows<R + 1, MAX>(rows, f);
+  }
+  f(std::integral_constant<int, R>{});
+}
+
+// AVX2 fp32: 16 registers, so half a block (two vectors) at a time for up to 6 rows: 12
+// accumulators, over k in [k0, k1).
+template <int ROWS>
+AVX2 static void tile_avx2(const float* x, int64_t K, int64_t k0, int64_t k1, int64_t half, const F32& w,
+                           float (*out)[BLOCK]) {
+  __m256 acc[ROWS][2];
+  UNROLL for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t k = k0; k < k1; k++) {
+    __m256 w0, w1;
+    w.get(k, half, w0, w1);
+    UNROLL for (int m = 0; m < ROWS; m++) {
+      __m256 xk = _mm256_broadcast_ss(x + m * K + k);
+      acc[m][0] = _mm256_fmadd_ps(xk, w0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(xk, w1, acc[m][1]);
     }
+  }
+  add_group<ROWS, 2>(w, 0, half, acc, out);
+}
+
+// AVX2, 3 rows or more (a prompt): up to PROMPT_ROWS rows a call in tiles of 6, and k in chunks of
+// PROMPT_K (4 KB of the block, a page) that every tile reads from L1 in turn, so that the block
+// comes from memory once for all the rows; a tile at a time over the whole of k read it again from
+// L2 for every 6 rows (from L3 where a block outgrew L2). Chunks of 32 k ran faster than 16, 24,
+// 48 or 64 at 16 rows (README, How it works).
+constexpr int64_t PROMPT_ROWS = 30, PROMPT_K = 32;
+
+AVX2 static void prompt_avx2(const float* x, int64_t K, int64_t rows, const F32& w, float (*out)[BLOCK]) {
+  for (int64_t k0 = 0; k0 < K; k0 += PROMPT_K) {
+    int64_t k1 = std::min(K, k0 + PROMPT_K);
+    for (int64_t m = 0; m < rows; m += 6)
+      for (int64_t half = 0; half < BLOCK; half += 16)
+        with_rows<1, 6>(std::min<int64_t>(6, rows - m), [&](auto R) {
+          tile_avx2<decltype(R)::value>(x + m * K, K, k0, k1, half, w, out + m);
+        });
   }
 }
 
@@ -568,14 +592,6 @@ std::string best_isa() {
   return "";
 }
 
-template <int R, int MAX, class F>
-static void with_rows(int64_t rows, F&& f) {  // f(std::integral_constant<int, rows>)
-  if constexpr (R < MAX) {
-    if (rows != R) return with_rows<R + 1, MAX>(rows, f);
-  }
-  f(std::integral_constant<int, R>{});
-}
-
 // y [..., N] (x's shape and dtype; its M rows flattened) over blocks of 32 output columns split
 // between threads, each in tiles of up to rows_per_tile rows of x: tile(b, m, rows, out) writes rows
 // m.. of block b into out. tiles: AMX's configuration, which each thread loads (nullptr: none).
@@ -617,7 +633,8 @@ static torch::Tensor run_fma(const torch::Tensor& x, int64_t N, int64_t blocks, 
   TORCH_CHECK(wide || isa == ISA_AVX2, "kernels: unknown instruction set ", isa);
   int64_t K = x.size(-1);
   const float* xp = x.data_ptr<float>();
-  return run(x.numel() / K, N, blocks, wide ? 8 : 6, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+  int64_t M = x.numel() / K;
+  return run(M, N, blocks, wide ? 8 : M <= 2 ? 2 : PROMPT_ROWS, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
     auto w = format(b, m);
     if (wide)
       with_rows<1, 8>(rows, [&](auto R) { tile_avx512<decltype(R)::value>(xp + m * K, K, w, out); });
@@ -625,7 +642,7 @@ static torch::Tensor run_fma(const torch::Tensor& x, int64_t N, int64_t blocks, 
       if (rows <= 2)
         with_rows<1, 2>(rows, [&](auto R) { tile_avx2_decode<decltype(R)::value>(xp + m * K, K, w, out); });
       else
-        with_rows<3, 6>(rows, [&](auto R) { tile_avx2<decltype(R)::value>(xp + m * K, K, w, out); });
+        prompt_avx2(xp + m * K, K, rows, w, out);
     }
   });
 }

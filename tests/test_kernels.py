@@ -34,8 +34,9 @@ def inputs(rows, k):
 @pytest.mark.parametrize("n,k", [(576, 576), (100, 64), (33, 7), (1, 5), (64, 300)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_float64_product(isa, n, k, bias):
-    """Every row count around the register tiles (6 rows for AVX2, 8 for AVX-512), output columns
-    that are no multiple of the 32-column block, 3-D inputs."""
+    """Every row count around the register tiles (6 rows for AVX2, 8 for AVX-512) and AVX2's 30 rows
+    a call (40), k around AVX2's chunks of 32 (7, 64, 300, 576), output columns that are no multiple
+    of the 32-column block, 3-D inputs."""
     torch.manual_seed(n + k)
     linear = nn.Linear(k, n, bias=bias)
     packed = kernels.PackedLinear(linear, isa)
