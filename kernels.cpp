@@ -214,8 +214,10 @@ AVX2 static inline void add_row(const float* x, int64_t K, const W& w, int64_t k
   }
 }
 
-// AVX2 for one or two rows (a decode step): the whole block a k, and for one row two k at a time,
-// so that 8 sums are in flight; the half block's 2 a row waited on each FMA's latency.
+// AVX2 for one or two rows (a decode step): the whole block a k. One row reads the block as two
+// streams, k from the start and from the middle of each group, into two sets of sums: 8 sums in
+// flight (the half block's 2 a row waited on each FMA's latency), and twice the lines in flight
+// from memory as one stream's prefetches keep.
 template <int ROWS, class W>
 AVX2 static void tile_avx2_decode(const float* x, int64_t K, const W& w, float (*out)[BLOCK]) {
   static_assert(ROWS <= 2, "8 sums, 4 weight vectors and x: 13 of the 16 registers");
@@ -225,10 +227,10 @@ AVX2 static void tile_avx2_decode(const float* x, int64_t K, const W& w, float (
     UNROLL for (int u = 0; u < U; u++)
       UNROLL for (int m = 0; m < ROWS; m++)
         UNROLL for (int i = 0; i < 4; i++) acc[u][m][i] = _mm256_setzero_ps();
-    int64_t k = k0, k1 = std::min(K, k0 + w.group);
-    for (; k + U <= k1; k += U)
-      UNROLL for (int u = 0; u < U; u++) add_row<ROWS>(x, K, w, k + u, acc[u]);
-    for (; k < k1; k++) add_row<ROWS>(x, K, w, k, acc[0]);
+    int64_t k1 = std::min(K, k0 + w.group), n = (k1 - k0) / U;
+    for (int64_t k = k0; k < k0 + n; k++)
+      UNROLL for (int u = 0; u < U; u++) add_row<ROWS>(x, K, w, k + u * n, acc[u]);
+    for (int64_t k = k0 + U * n; k < k1; k++) add_row<ROWS>(x, K, w, k, acc[0]);
     UNROLL for (int u = 1; u < U; u++)
       UNROLL for (int m = 0; m < ROWS; m++)
         UNROLL for (int i = 0; i < 4; i++) acc[0][m][i] = _mm256_add_ps(acc[0][m][i], acc[u][m][i]);
