@@ -594,6 +594,10 @@ std::string best_isa() {
   return "";
 }
 
+// Bytes of x's rows that a product goes over with each block before the next rows: a long prompt's
+// x (32 MB: 1024 rows of 8192 fp32) read whole for every block came from memory, not from L3.
+constexpr int64_t ROW_GROUP_BYTES = 4 << 20;
+
 // y [..., N] (x's shape and dtype; its M rows flattened) over blocks of 32 output columns split
 // between threads, each in tiles of up to rows_per_tile rows of x: tile(b, m, rows, out) writes rows
 // m.. of block b into out. tiles: AMX's configuration, which each thread loads (nullptr: none).
@@ -605,12 +609,15 @@ static torch::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t rows_per_
   auto y = torch::empty(shape, x.options());  // fp32, or bf16 (rounded from the fp32 sums)
   bool bf16 = y.scalar_type() == torch::kBFloat16;
   char* yp = static_cast<char*>(y.data_ptr());
+  int64_t row_bytes = x.size(-1) * x.element_size();
+  int64_t group = std::max<int64_t>(1, ROW_GROUP_BYTES / row_bytes / rows_per_tile) * rows_per_tile;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     alignas(64) float out[AMX_TILE][BLOCK];
     if (tiles) tiles_begin(tiles);
+    for (int64_t m0 = 0; m0 < M; m0 += group)
     for (int64_t b = b0; b < b1; b++) {
       int64_t columns = std::min(BLOCK, N - b * BLOCK);
-      for (int64_t m = 0; m < M; m += rows_per_tile) {
+      for (int64_t m = m0; m < std::min(M, m0 + group); m += rows_per_tile) {
         int64_t rows = std::min(rows_per_tile, M - m);
         std::memset(out, 0, rows * sizeof(out[0]));
         tile(b, m, rows, out);
