@@ -46,6 +46,16 @@ def test_packed_linear_equals_float64_product(isa, n, k, bias):
         torch.testing.assert_close(packed(x), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_long_prompt_goes_over_x_in_groups_of_rows(isa):
+    """300 rows of 8192 inputs: x's rows are gone over in groups of 4 MB per block (kernels.cpp's
+    ROW_GROUP_BYTES: 120-128 rows here), so this product spans three groups and a partial one."""
+    torch.manual_seed(0)
+    linear = nn.Linear(8192, 70, bias=False)
+    x = torch.randn(300, 8192)
+    expected = (x.double() @ linear.weight.double().T).float()
+    torch.testing.assert_close(kernels.PackedLinear(linear, isa)(x), expected, rtol=1e-5, atol=1e-4)
+
+
 def rounded_activations(x, isa):
     """x as the integer products (VNNI, AVX2) see it: rounded to int8 steps of max |x| / 127 per 32
     columns (AVX-512's FMA products take x as it is)."""
