@@ -502,13 +502,14 @@ def can_pack(model: Transformer) -> bool:
 
 def pack_for_cpu(model: Transformer) -> Transformer:
     """What the command lines call after loading: the model packed where kernels.cpp serves it, and
-    its attention (decode steps, prompts) on attention.cpp's kernels."""
+    its attention (decode steps, prompts) on attention.cpp's kernels (AVX-512), its norms, RoPE and gates on
+    rowwise.cpp's."""
     if not can_pack(model):
         return model
     pack_linears(model)
     if cache_attention_supported():
         use_attention_kernels(model)
-        use_rowwise_kernels(model)
+    use_rowwise_kernels(model)
     return model
 
 
@@ -543,9 +544,9 @@ def use_attention_kernels(model: Transformer) -> None:
                 a.attend_prompt = prompt_attention
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
-    """model.RMSNorm's kernel (rowwise.cpp)."""
-    return torch.ops.brisk.rms_norm(x, weight, eps, offset)
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float, isa: Optional[str] = None) -> Tensor:
+    """model.RMSNorm's kernel (rowwise.cpp; isa None: the CPU's best, as for the products)."""
+    return torch.ops.brisk.rms_norm(x, weight, eps, offset, ISA_CODES[isa or best_isa()])
 
 
 def rotate(x: Tensor, rope: Tensor) -> Tensor:
@@ -553,14 +554,14 @@ def rotate(x: Tensor, rope: Tensor) -> Tensor:
     return torch.ops.brisk.apply_rope(x, rope)
 
 
-def silu_mul(gate_up: Tensor, hidden: int) -> Tensor:
+def silu_mul(gate_up: Tensor, hidden: int, isa: Optional[str] = None) -> Tensor:
     """PackedFeedForward's gate_kernel for SwiGLU: silu(gate) * up of [gate, up] (rowwise.cpp)."""
-    return torch.ops.brisk.silu_mul(gate_up, hidden)
+    return torch.ops.brisk.silu_mul(gate_up, hidden, ISA_CODES[isa or best_isa()])
 
 
 def use_rowwise_kernels(model: Transformer) -> None:
     """The norms, RoPE and SwiGLU gates of eager steps through rowwise.cpp, an op each instead of
-    PyTorch's 2-12 (compiled steps keep model.py's code, which inductor fuses). AVX-512 only, and
+    PyTorch's 2-12 (compiled steps keep model.py's code, which inductor fuses). AVX-512 or AVX2, and
     only where the activations are fp32 or bf16 (a packed model's)."""
     if model.norm.weight.dtype not in (torch.float32, torch.bfloat16):
         return

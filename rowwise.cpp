@@ -5,12 +5,14 @@
 // attaches them to eager steps only: a compiled graph keeps model.py's code, which inductor fuses.
 // Rounded where model.py rounds (each fp32 result to the activations' dtype where model.py
 // converts), so bf16 results equal PyTorch's but where a sum in another order rounds the other way.
-// AVX-512 (simd.h; RoPE plain C++ the compiler vectorises); built with kernels.cpp into one
-// extension (kernels.py).
+// AVX-512 (simd.h) or AVX2, by the ops' isa argument (kernels.ISA_CODES, as the products'); RoPE
+// plain C++ the compiler vectorises. Built with kernels.cpp into one extension (kernels.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 
 #include "simd.h"
@@ -56,17 +58,121 @@ AVX512 void silu_mul_row(const T* g, const T* u, T* y, int64_t H) {
   }
 }
 
+// AVX2: 8 lanes; tails through a zero-padded buffer (AVX2 has no masked loads of 16-bit values).
+#define AVX2 __attribute__((target("avx2,fma")))
+
+AVX2 inline __m256 load8(const float* p, int64_t d) {
+  if (d >= 8) return _mm256_loadu_ps(p);
+  alignas(32) float t[8] = {};
+  std::copy(p, p + d, t);
+  return _mm256_load_ps(t);
+}
+AVX2 inline __m256 load8(const at::BFloat16* p, int64_t d) {
+  if (d >= 8)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+  alignas(32) float t[8] = {};
+  std::copy(p, p + d, t);
+  return _mm256_load_ps(t);
+}
+// The first d of 8 values stored (bf16: rounded to nearest even, as c10::BFloat16).
+AVX2 inline void store8(float* p, __m256 x, int64_t d) {
+  if (d >= 8) return _mm256_storeu_ps(p, x);
+  alignas(32) float t[8];
+  _mm256_store_ps(t, x);
+  std::copy(t, t + d, p);
+}
+AVX2 inline __m256 round_bf16_8(__m256 x) {
+  __m256i b = _mm256_castps_si256(x);
+  __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xffff0000u)));
+}
+AVX2 inline void store8(at::BFloat16* p, __m256 x, int64_t d) {
+  __m256i top = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(x)), 16);
+  __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+  if (d >= 8) return _mm_storeu_si128((__m128i*)p, h);
+  alignas(16) uint16_t t[8];
+  _mm_store_si128((__m128i*)t, h);
+  std::memcpy(p, t, std::min<int64_t>(d, 8) * sizeof(uint16_t));
+}
+AVX2 inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+// exp(x) for x <= 0, as simd.h's exp16: the same polynomial, 2^n put into the exponent's bits.
+AVX2 inline __m256 exp8(__m256 x) {
+  __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(masked, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+}
+
 template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, float eps, float offset) {
+AVX2 void rms_norm_row8(const T* x, const T* w, T* y, int64_t D, float eps, float offset) {
+  __m256 squares = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 v = load8(x + d, D - d);
+    squares = _mm256_fmadd_ps(v, v, squares);
+  }
+  __m256 inv = _mm256_set1_ps(1.f / std::sqrt(sum8(squares) / float(D) + eps));
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 normed = _mm256_mul_ps(load8(x + d, D - d), inv);
+    if (offset != 0.f)
+      normed = _mm256_mul_ps(normed, _mm256_add_ps(_mm256_set1_ps(offset), load8(w + d, D - d)));
+    else
+      normed = _mm256_mul_ps(std::is_same_v<T, float> ? normed : round_bf16_8(normed), load8(w + d, D - d));
+    store8(y + d, normed, D - d);
+  }
+}
+
+template <typename T>
+AVX2 void silu_mul_row8(const T* g, const T* u, T* y, int64_t H) {
+  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+  for (int64_t i = 0; i < H; i += 8) {
+    __m256 gv = load8(g + i, H - i);
+    __m256 e = exp8(_mm256_sub_ps(zero, _mm256_andnot_ps(_mm256_set1_ps(-0.f), gv)));
+    __m256 negative = _mm256_cmp_ps(gv, zero, _CMP_LT_OQ);
+    __m256 silu = _mm256_mul_ps(gv, _mm256_div_ps(_mm256_blendv_ps(one, e, negative), _mm256_add_ps(one, e)));
+    if constexpr (!std::is_same_v<T, float>) silu = round_bf16_8(silu);
+    store8(y + i, _mm256_mul_ps(silu, load8(u + i, H - i)), H - i);
+  }
+}
+
+// The AVX-512 code where isa asks for it (kernels.ISA_CODES: 1, 2) and the CPU has it, else AVX2.
+bool wide(int64_t isa) {
+  static const bool avx512 = attention_supported();
+  return isa != 0 && avx512;
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, float eps, float offset, bool avx512) {
   at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; r++) rms_norm_row(x + r * D, w, y + r * D, D, eps, offset);
+    for (int64_t r = begin; r < end; r++)
+      if (avx512)
+        rms_norm_row(x + r * D, w, y + r * D, D, eps, offset);
+      else
+        rms_norm_row8(x + r * D, w, y + r * D, D, eps, offset);
   });
 }
 
 template <typename T>
-void silu_mul_rows(const T* gu, T* y, int64_t rows, int64_t H) {
+void silu_mul_rows(const T* gu, T* y, int64_t rows, int64_t H, bool avx512) {
   at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; r++) silu_mul_row(gu + r * 2 * H, gu + r * 2 * H + H, y + r * H, H);
+    for (int64_t r = begin; r < end; r++)
+      if (avx512)
+        silu_mul_row(gu + r * 2 * H, gu + r * 2 * H + H, y + r * H, H);
+      else
+        silu_mul_row8(gu + r * 2 * H, gu + r * 2 * H + H, y + r * H, H);
   });
 }
 
@@ -99,13 +205,16 @@ bool float_or_bf16(const torch::Tensor& t) {
 }
 
 void check_cpu() {
-  static const bool avx512 = attention_supported();
-  TORCH_CHECK(avx512, "brisk's row-wise kernels need AVX-512 (kernels.cache_attention_supported())");
+  static const bool avx2 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  TORCH_CHECK(avx2, "brisk's row-wise kernels need AVX2 (kernels.best_isa())");
 }
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset) {
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset, int64_t isa) {
   check_cpu();
   TORCH_CHECK(float_or_bf16(x) && weight.scalar_type() == x.scalar_type(),
               "rms_norm: x and weight both float32 or both bfloat16");
@@ -116,14 +225,14 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double
   auto y = torch::empty_like(x);
   int64_t rows = D ? x.numel() / D : 0;
   if (x.scalar_type() == torch::kFloat)
-    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), rows, D, eps, offset);
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), rows, D, eps, offset, wide(isa));
   else
     rms_norm_rows(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), rows,
-                  D, eps, offset);
+                  D, eps, offset, wide(isa));
   return y;
 }
 
-torch::Tensor silu_mul(torch::Tensor gate_up, int64_t hidden) {
+torch::Tensor silu_mul(torch::Tensor gate_up, int64_t hidden, int64_t isa) {
   check_cpu();
   TORCH_CHECK(float_or_bf16(gate_up) && gate_up.size(-1) == 2 * hidden,
               "silu_mul: gate_up float32 or bfloat16, its last dimension 2 * hidden");
@@ -133,9 +242,9 @@ torch::Tensor silu_mul(torch::Tensor gate_up, int64_t hidden) {
   auto y = torch::empty(shape, gate_up.options());
   int64_t rows = hidden ? gate_up.numel() / (2 * hidden) : 0;
   if (gate_up.scalar_type() == torch::kFloat)
-    silu_mul_rows(gate_up.data_ptr<float>(), y.data_ptr<float>(), rows, hidden);
+    silu_mul_rows(gate_up.data_ptr<float>(), y.data_ptr<float>(), rows, hidden, wide(isa));
   else
-    silu_mul_rows(gate_up.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), rows, hidden);
+    silu_mul_rows(gate_up.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), rows, hidden, wide(isa));
   return y;
 }
 
@@ -160,8 +269,8 @@ torch::Tensor apply_rope(torch::Tensor x, torch::Tensor rope) {
 }
 
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset) -> Tensor");
-  m.def("silu_mul(Tensor gate_up, int hidden) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset, int isa) -> Tensor");
+  m.def("silu_mul(Tensor gate_up, int hidden, int isa) -> Tensor");
   m.def("apply_rope(Tensor x, Tensor rope) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(brisk, CPU, m) {
