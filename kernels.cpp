@@ -491,7 +491,8 @@ AVX2 static void tile_avx2_bf16(const uint32_t* x, int64_t K2, const uint32_t* w
     UNROLL for (int i = 0; i < 4; i++) {
       __m256i v = _mm256_loadu_si256((const __m256i*)(w + k * BLOCK + 8 * i));
       __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-      UNROLL for (int m = 0; m < ROWS; m++) acc[m][i] = _mm256_fmadd_ps(odd[m], wo, _mm256_fmadd_ps(even[m], we, acc[m][i]));
+      UNROLL for (int m = 0; m < ROWS; m++)
+        acc[m][i] = _mm256_fmadd_ps(odd[m], wo, _mm256_fmadd_ps(even[m], we, acc[m][i]));
     }
   }
   UNROLL for (int m = 0; m < ROWS; m++)
@@ -643,7 +644,8 @@ static torch::Tensor run_fma(const torch::Tensor& x, int64_t N, int64_t blocks, 
   int64_t K = x.size(-1);
   const float* xp = x.data_ptr<float>();
   int64_t M = x.numel() / K;
-  return run(M, N, blocks, wide ? 8 : M <= 2 ? 2 : PROMPT_ROWS, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+  int64_t rows_per_tile = wide ? 8 : M <= 2 ? 2 : PROMPT_ROWS;
+  return run(M, N, blocks, rows_per_tile, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
     auto w = format(b, m);
     if (wide)
       with_rows<1, 8>(rows, [&](auto R) { tile_avx512<decltype(R)::value>(xp + m * K, K, w, out); });
