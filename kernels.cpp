@@ -204,8 +204,8 @@ AVX2 static void prompt_avx2(const float* x, int64_t K, int64_t rows, const F32&
   }
 }
 
-template <int ROWS, class W>  // acc[m] += x[m, k] * the block's row k
-AVX2 static inline void add_row(const float* x, int64_t K, const W& w, int64_t k, __m256 (&acc)[ROWS][4]) {
+template <int ROWS>  // acc[m] += x[m, k] * the block's row k
+AVX2 static inline void add_row(const float* x, int64_t K, const F32& w, int64_t k, __m256 (&acc)[ROWS][4]) {
   __m256 v[4];
   w.get(k, v);
   UNROLL for (int m = 0; m < ROWS; m++) {
@@ -214,28 +214,26 @@ AVX2 static inline void add_row(const float* x, int64_t K, const W& w, int64_t k
   }
 }
 
-// AVX2 for one or two rows (a decode step): the whole block a k. One row reads the block as two
-// streams, k from the start and from the middle of each group, into two sets of sums: 8 sums in
-// flight (the half block's 2 a row waited on each FMA's latency), and twice the lines in flight
-// from memory as one stream's prefetches keep.
-template <int ROWS, class W>
-AVX2 static void tile_avx2_decode(const float* x, int64_t K, const W& w, float (*out)[BLOCK]) {
+// AVX2 fp32 for one or two rows (a decode step): the whole block a k. One row reads the block as
+// two streams, k from the start and from the middle, into two sets of sums: 8 sums in flight (the
+// half block's 2 a row waited on each FMA's latency), and twice the lines in flight from memory as
+// one stream's prefetches keep.
+template <int ROWS>
+AVX2 static void tile_avx2_decode(const float* x, int64_t K, const F32& w, float (*out)[BLOCK]) {
   static_assert(ROWS <= 2, "8 sums, 4 weight vectors and x: 13 of the 16 registers");
   constexpr int U = ROWS == 1 ? 2 : 1;
-  for (int64_t k0 = 0, g = 0; k0 < K; k0 += w.group, g++) {
-    __m256 acc[U][ROWS][4];
-    UNROLL for (int u = 0; u < U; u++)
-      UNROLL for (int m = 0; m < ROWS; m++)
-        UNROLL for (int i = 0; i < 4; i++) acc[u][m][i] = _mm256_setzero_ps();
-    int64_t k1 = std::min(K, k0 + w.group), n = (k1 - k0) / U;
-    for (int64_t k = k0; k < k0 + n; k++)
-      UNROLL for (int u = 0; u < U; u++) add_row<ROWS>(x, K, w, k + u * n, acc[u]);
-    for (int64_t k = k0 + U * n; k < k1; k++) add_row<ROWS>(x, K, w, k, acc[0]);
-    UNROLL for (int u = 1; u < U; u++)
-      UNROLL for (int m = 0; m < ROWS; m++)
-        UNROLL for (int i = 0; i < 4; i++) acc[0][m][i] = _mm256_add_ps(acc[0][m][i], acc[u][m][i]);
-    add_group<ROWS, 4>(w, g, 0, acc[0], out);
-  }
+  __m256 acc[U][ROWS][4];
+  UNROLL for (int u = 0; u < U; u++)
+    UNROLL for (int m = 0; m < ROWS; m++)
+      UNROLL for (int i = 0; i < 4; i++) acc[u][m][i] = _mm256_setzero_ps();
+  int64_t n = K / U;
+  for (int64_t k = 0; k < n; k++)
+    UNROLL for (int u = 0; u < U; u++) add_row<ROWS>(x, K, w, k + u * n, acc[u]);
+  for (int64_t k = U * n; k < K; k++) add_row<ROWS>(x, K, w, k, acc[0]);
+  UNROLL for (int u = 1; u < U; u++)
+    UNROLL for (int m = 0; m < ROWS; m++)
+      UNROLL for (int i = 0; i < 4; i++) acc[0][m][i] = _mm256_add_ps(acc[0][m][i], acc[u][m][i]);
+  add_group<ROWS, 4>(w, 0, 0, acc[0], out);
 }
 
 // int8 / int4 with integer dot products: each row of x is rounded to int8 per 32 input columns (a
@@ -615,19 +613,20 @@ static torch::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t rows_per_
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     alignas(64) float out[AMX_TILE][BLOCK];
     if (tiles) tiles_begin(tiles);
-    for (int64_t m0 = 0; m0 < M; m0 += group)
-    for (int64_t b = b0; b < b1; b++) {
-      int64_t columns = std::min(BLOCK, N - b * BLOCK);
-      for (int64_t m = m0; m < std::min(M, m0 + group); m += rows_per_tile) {
-        int64_t rows = std::min(rows_per_tile, M - m);
-        std::memset(out, 0, rows * sizeof(out[0]));
-        tile(b, m, rows, out);
-        for (int64_t r = 0; r < rows; r++) {
-          int64_t at = (m + r) * N + b * BLOCK;
-          if (bf16)
-            std::copy(out[r], out[r] + columns, reinterpret_cast<at::BFloat16*>(yp) + at);
-          else
-            std::memcpy(reinterpret_cast<float*>(yp) + at, out[r], columns * sizeof(float));
+    for (int64_t m0 = 0; m0 < M; m0 += group) {
+      for (int64_t b = b0; b < b1; b++) {
+        int64_t columns = std::min(BLOCK, N - b * BLOCK);
+        for (int64_t m = m0; m < std::min(M, m0 + group); m += rows_per_tile) {
+          int64_t rows = std::min(rows_per_tile, M - m);
+          std::memset(out, 0, rows * sizeof(out[0]));
+          tile(b, m, rows, out);
+          for (int64_t r = 0; r < rows; r++) {
+            int64_t at = (m + r) * N + b * BLOCK;
+            if (bf16)
+              std::copy(out[r], out[r] + columns, reinterpret_cast<at::BFloat16*>(yp) + at);
+            else
+              std::memcpy(reinterpret_cast<float*>(yp) + at, out[r], columns * sizeof(float));
+          }
         }
       }
     }
