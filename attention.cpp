@@ -8,8 +8,8 @@
 // exponentials and weighted sum of values, and the chunks of a head are merged at the end, so
 // that even one sequence with three key/value heads keeps both cores busy. And a prompt's causal
 // attention from position 0 over its own keys (prefill; further down).
-// Built with kernels.cpp into one extension (kernels.py); AVX-512 only (kernels.py uses it where
-// kernels.best_isa() says so; elsewhere model.py's own attention runs).
+// Built with kernels.cpp into one extension (kernels.py). Decode steps on AVX-512 only (elsewhere
+// model.py's own attention runs); prompts on AVX-512 or AVX2.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -325,7 +325,7 @@ struct CausalRows {
   E* out(int64_t r) const { return y + (t0 + r % m) * y_pos + r / m * D; }
   int64_t begin() const { return 0; }
   int64_t end() const { return t0 + m; }
-  AVX512 uint64_t visible(int64_t r, int64_t n0, int64_t n) const {
+  uint64_t visible(int64_t r, int64_t n0, int64_t n) const {
     return first64(std::min(n, t0 + r % m - n0 + 1));
   }
 };
@@ -348,20 +348,37 @@ struct MaskedRows {
   }
 };
 
+// attend_block's start, either instruction set: the rows' queries scaled, in fp32; their sums of
+// p v, maxima and sums of exponentials reset.
+template <class Rows>
+void start_block(const Rows& rows, int64_t R, int64_t D, float scale, BlockScratch& w) {
+  for (int64_t r = 0; r < R; r++) {
+    const auto* src = rows.query(r);
+    for (int64_t d = 0; d < D; d++) w.q[r * D + d] = static_cast<float>(src[d]) * scale;
+  }
+  std::fill(w.o.begin(), w.o.begin() + R * D, 0.f);
+  std::fill(w.top.begin(), w.top.begin() + R, -std::numeric_limits<float>::infinity());
+  std::fill(w.sum.begin(), w.sum.begin() + R, 0.f);
+}
+
+// And its end: each row's sum of p v over its sum of exponentials, in the output's dtype.
+template <class Rows>
+void finish_block(const Rows& rows, int64_t R, int64_t D, const BlockScratch& w) {
+  for (int64_t r = 0; r < R; r++) {
+    auto* dst = rows.out(r);
+    float inv = 1.f / w.sum[r];
+    for (int64_t d = 0; d < D; d++) dst[d] = static_cast<std::remove_pointer_t<decltype(dst)>>(w.o[r * D + d] * inv);
+  }
+}
+
 // R query rows (Rows: where each is, which keys it sees) against the keys of one sequence and
 // key/value head: kt [D, ld] transposed keys in fp32 (ld covers the rows' keys rounded up to
 // KBLOCK), v [keys, D] value rows (row stride ldv). Writes each row's output.
 template <class C, class Rows>
 AVX512 void attend_block(const Rows& rows, int64_t R, int64_t D, const float* kt, int64_t ld, const C* v,
                          int64_t ldv, float scale, BlockScratch& w) {
-  for (int64_t r = 0; r < R; r++) {
-    const auto* src = rows.query(r);
-    for (int64_t d = 0; d < D; d++) w.q[r * D + d] = static_cast<float>(src[d]) * scale;
-  }
+  start_block(rows, R, D, scale, w);
   const float minus_inf = -std::numeric_limits<float>::infinity();
-  std::fill(w.o.begin(), w.o.begin() + R * D, 0.f);
-  std::fill(w.top.begin(), w.top.begin() + R, minus_inf);
-  std::fill(w.sum.begin(), w.sum.begin() + R, 0.f);
   for (int64_t n0 = rows.begin() / KBLOCK * KBLOCK; n0 < rows.end(); n0 += KBLOCK) {
     const int64_t n = std::min(KBLOCK, rows.end() - n0);  // keys any row of the block sees
     for (int64_t r = 0; r < R; r += TILE_ROWS)
@@ -402,17 +419,130 @@ AVX512 void attend_block(const Rows& rows, int64_t R, int64_t D, const float* kt
                                           D);
       });
   }
-  for (int64_t r = 0; r < R; r++) {
-    auto* dst = rows.out(r);
-    float inv = 1.f / w.sum[r];
-    for (int64_t d = 0; d < D; d++) dst[d] = static_cast<std::remove_pointer_t<decltype(dst)>>(w.o[r * D + d] * inv);
+  finish_block(rows, R, D, w);
+}
+
+// ---- The same on AVX2 (8 lanes, 16 registers): tiles of up to 6 rows x 2 vectors, 12 sums and
+// the 2 vectors read and the row's broadcast value in the other 4 registers ----
+
+// s[r, 0:16] = qs[r] . kt[:, 0:16] for ROWS query rows qs [ROWS, D] (scaled); kt [D, ld].
+template <int ROWS>
+AVX2 void score_tile8(const float* qs, int64_t D, const float* kt, int64_t ld, float* s) {
+  __m256 acc[ROWS][2];
+  UNROLL for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d++) {
+    __m256 k0 = _mm256_loadu_ps(kt + d * ld), k1 = _mm256_loadu_ps(kt + d * ld + 8);
+    UNROLL for (int r = 0; r < ROWS; r++) {
+      __m256 x = _mm256_broadcast_ss(qs + r * D + d);
+      acc[r][0] = _mm256_fmadd_ps(x, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, k1, acc[r][1]);
+    }
   }
+  UNROLL for (int r = 0; r < ROWS; r++) {
+    _mm256_storeu_ps(s + r * KBLOCK, acc[r][0]);
+    _mm256_storeu_ps(s + r * KBLOCK + 8, acc[r][1]);
+  }
+}
+
+// o[r, 0:16] = alpha[r] o[r] + sum_j p[r, j] v[j, 0:16], j < n, for ROWS rows (row strides: o D,
+// p KBLOCK, v ldv).
+template <int ROWS>
+AVX2 void value_tile8(const float* p, int64_t n, const float* v, int64_t ldv, const float* alpha, float* o,
+                      int64_t D) {
+  __m256 acc[ROWS][2];
+  UNROLL for (int r = 0; r < ROWS; r++) {
+    __m256 a = _mm256_broadcast_ss(alpha + r);
+    acc[r][0] = _mm256_mul_ps(_mm256_loadu_ps(o + r * D), a);
+    acc[r][1] = _mm256_mul_ps(_mm256_loadu_ps(o + r * D + 8), a);
+  }
+  for (int64_t i = 0; i < n; i++) {
+    __m256 v0 = _mm256_loadu_ps(v + i * ldv), v1 = _mm256_loadu_ps(v + i * ldv + 8);
+    UNROLL for (int r = 0; r < ROWS; r++) {
+      __m256 x = _mm256_broadcast_ss(p + r * KBLOCK + i);
+      acc[r][0] = _mm256_fmadd_ps(x, v0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, v1, acc[r][1]);
+    }
+  }
+  UNROLL for (int r = 0; r < ROWS; r++) {
+    _mm256_storeu_ps(o + r * D, acc[r][0]);
+    _mm256_storeu_ps(o + r * D + 8, acc[r][1]);
+  }
+}
+
+// Lanes 8 j .. 8 j + 7 of 64 bits as a mask of 8 lanes (all ones where the bit is set).
+AVX2 inline __m256 lanes8(uint64_t bits, int j) {
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  __m256i b = _mm256_and_si256(_mm256_set1_epi32(int(bits >> (8 * j) & 0xff)), bit);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, bit));
+}
+
+AVX2 inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// attend_block on AVX2; scores and values only for the n keys of a block that some row sees.
+template <class C, class Rows>
+AVX2 void attend_block8(const Rows& rows, int64_t R, int64_t D, const float* kt, int64_t ld, const C* v,
+                        int64_t ldv, float scale, BlockScratch& w) {
+  start_block(rows, R, D, scale, w);
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t n0 = rows.begin() / KBLOCK * KBLOCK; n0 < rows.end(); n0 += KBLOCK) {
+    const int64_t n = std::min(KBLOCK, rows.end() - n0), vecs = (n + 7) / 8;
+    for (int64_t r = 0; r < R; r += TILE_ROWS)
+      with_tile_rows(std::min<int64_t>(TILE_ROWS, R - r), [&](auto tile) {
+        for (int64_t c = 0; c < n; c += 16)
+          score_tile8<decltype(tile)::value>(w.q.data() + r * D, D, kt + n0 + c, ld, w.s.data() + r * KBLOCK + c);
+      });
+    for (int64_t r = 0; r < R; r++) {  // -inf where row r does not see the key (lanes past n too)
+      float* row = w.s.data() + r * KBLOCK;
+      uint64_t seen = rows.visible(r, n0, n);
+      __m256 sc[KBLOCK / 8], mx = _mm256_set1_ps(minus_inf), top = mx;
+      for (int64_t j = 0; j < vecs; j++) {
+        sc[j] = _mm256_blendv_ps(mx, _mm256_loadu_ps(row + 8 * j), lanes8(seen, j));
+        top = _mm256_max_ps(top, sc[j]);
+      }
+      float new_top = std::max(w.top[r], max8(top));
+      w.alpha[r] = new_top == minus_inf ? 1.f : std::exp(w.top[r] - new_top);
+      __m256 total = _mm256_setzero_ps(), nt = _mm256_set1_ps(new_top == minus_inf ? 0.f : new_top);
+      for (int64_t j = 0; j < vecs; j++) {
+        __m256 e = exp8(_mm256_sub_ps(sc[j], nt));
+        _mm256_storeu_ps(row + 8 * j, e);
+        total = _mm256_add_ps(total, e);
+      }
+      w.sum[r] = w.sum[r] * w.alpha[r] + sum8(total);
+      w.top[r] = new_top;
+    }
+    const C* vsrc = v + n0 * ldv;
+    const float* vb;
+    int64_t ldf;
+    if constexpr (std::is_same_v<C, float>) {
+      vb = vsrc, ldf = ldv;
+    } else {
+      for (int64_t i = 0; i < n; i++)
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(w.v.data() + i * D + d, load8(vsrc + i * ldv + d, 8));
+      vb = w.v.data(), ldf = D;
+    }
+    for (int64_t r = 0; r < R; r += TILE_ROWS)
+      with_tile_rows(std::min<int64_t>(TILE_ROWS, R - r), [&](auto tile) {
+        for (int64_t c = 0; c < D; c += 16)
+          value_tile8<decltype(tile)::value>(w.s.data() + r * KBLOCK, n, vb + c, ldf, w.alpha.data() + r,
+                                             w.o.data() + r * D + c, D);
+      });
+  }
+  finish_block(rows, R, D, w);
 }
 
 // The z-th block of a head's `blocks` in the order first, last, second, second to last...: a
 // thread's contiguous share of the work items costs about the same as another's, where a later
 // block of a causal prompt meets more keys.
 inline int64_t zigzag(int64_t z, int64_t blocks) { return z % 2 == 0 ? z / 2 : blocks - 1 - z / 2; }
+
+// The row stride of n keys transposed: whole blocks of keys and one vector more, so that rows
+// are no power of two apart. At 1024 keys (4 KB) a tile's 64 rows fell into one set of L1's, which
+// holds 8: every step of the tile read its keys from L2.
+inline int64_t key_stride(int64_t n) { return (n + KBLOCK - 1) / KBLOCK * KBLOCK + 16; }
 
 // keys [0, n) of k [n, D] (row stride ld_k) -> kt [D, ld] fp32, zeros past n.
 template <class C>
@@ -423,10 +553,10 @@ void transpose_keys(const C* k, int64_t ld_k, int64_t n, int64_t D, int64_t ld, 
 
 // y [B, T, H * D] = causal attention of q [B, H, T, D] over k, v [B, KV, T, D].
 template <class E>
-void attend_prompt(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, float scale,
+void attend_prompt(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, float scale, bool avx512,
                    torch::Tensor& y) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), KV = k.size(1), rep = H / KV;
-  const int64_t Tp = (T + KBLOCK - 1) / KBLOCK * KBLOCK, blocks = (T + QBLOCK - 1) / QBLOCK;
+  const int64_t Tp = key_stride(T), blocks = (T + QBLOCK - 1) / QBLOCK;
   const E* kp = k.data_ptr<E>();
   // Keys transposed per head, fp32, zero past T (masked scores: zeros keep them finite).
   std::vector<float> kt(B * KV * D * Tp);
@@ -442,8 +572,11 @@ void attend_prompt(const torch::Tensor& q, const torch::Tensor& k, const torch::
       int64_t t0 = zigzag(z, blocks) * QBLOCK, m = std::min(QBLOCK, T - t0);
       CausalRows<E> rows{q.data_ptr<E>() + b * q.stride(0) + g * rep * q.stride(1), q.stride(1), q.stride(2),
                          y.data_ptr<E>() + b * T * H * D + g * rep * D, H * D, D, t0, m};
-      attend_block(rows, rep * m, D, kt.data() + bh * D * Tp, Tp, v.data_ptr<E>() + b * v.stride(0) + g * v.stride(1),
-                   v.stride(2), scale, w);
+      const E* vh = v.data_ptr<E>() + b * v.stride(0) + g * v.stride(1);
+      if (avx512)
+        attend_block(rows, rep * m, D, kt.data() + bh * D * Tp, Tp, vh, v.stride(2), scale, w);
+      else
+        attend_block8(rows, rep * m, D, kt.data() + bh * D * Tp, Tp, vh, v.stride(2), scale, w);
     }
   });
 }
@@ -455,7 +588,7 @@ template <class E, class C>
 torch::Tensor attend_many(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                           const int64_t* rows, const torch::Tensor& mask, float scale) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = mask.size(-1);
-  const int64_t cache_S = k_cache.size(2), Sp = (S + KBLOCK - 1) / KBLOCK * KBLOCK, blocks = (R + QBLOCK - 1) / QBLOCK;
+  const int64_t cache_S = k_cache.size(2), Sp = key_stride(S), blocks = (R + QBLOCK - 1) / QBLOCK;
   const bool per_row = mask.dim() == 4;
   const bool* mp = mask.data_ptr<bool>();
   auto out = torch::empty({B, H, R, D}, q.options());
@@ -543,8 +676,15 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 
 // q [B, H, T, D], k, v [B, KV, T, D] (any strides, features contiguous; H a multiple of KV), the
 // whole sequences so far from position 0: causal attention, softmax(q k^T * scale) v, returned as
-// [B, T, H * D] in q's dtype (the layout the output projection reads).
-torch::Tensor prompt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale) {
+// [B, T, H * D] in q's dtype (the layout the output projection reads). isa (kernels.ISA_CODES, as
+// the products'): 0 AVX2, else AVX-512 where the CPU has it.
+torch::Tensor prompt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
+                               int64_t isa) {
+  static const bool avx2 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  TORCH_CHECK(avx2, "prompt_attention needs AVX2 and FMA (kernels.best_isa())");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == q.size(0) &&
                   k.size(2) == q.size(2) && k.size(3) == q.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
               "prompt_attention: q [B, H, T, D], k and v [B, KV, T, D], H a multiple of KV");
@@ -555,10 +695,11 @@ torch::Tensor prompt_attention(const torch::Tensor& q, const torch::Tensor& k, c
               "prompt_attention: a multiple of 16 features, contiguous");
   auto y = torch::empty({q.size(0), q.size(2), q.size(1) * q.size(3)}, q.options());
   if (q.numel() == 0) return y;
+  const bool avx512 = isa != 0 && attention_supported();
   if (q.scalar_type() == torch::kFloat)
-    attend_prompt<float>(q, k, v, (float)scale, y);
+    attend_prompt<float>(q, k, v, (float)scale, avx512, y);
   else
-    attend_prompt<at::BFloat16>(q, k, v, (float)scale, y);
+    attend_prompt<at::BFloat16>(q, k, v, (float)scale, avx512, y);
   return y;
 }
 
@@ -567,7 +708,7 @@ TORCH_LIBRARY_FRAGMENT(brisk, m) {
   // Under its default for custom ops (exact strides) it recomputed the step's mask for every layer.
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? rows, Tensor mask, float scale) -> Tensor",
         {at::Tag::flexible_layout});
-  m.def("prompt_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("prompt_attention(Tensor q, Tensor k, Tensor v, float scale, int isa) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(brisk, CPU, m) {
   m.impl("decode_attention", &decode_attention);

@@ -129,7 +129,7 @@ def register_fake():
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("brisk::prompt_attention")
-    def _(q, k, v, scale):
+    def _(q, k, v, scale, isa):
         B, H, T, D = q.shape
         return q.new_empty(B, T, H * D)
 
@@ -502,13 +502,12 @@ def can_pack(model: Transformer) -> bool:
 
 def pack_for_cpu(model: Transformer) -> Transformer:
     """What the command lines call after loading: the model packed where kernels.cpp serves it, and
-    its attention (decode steps, prompts) on attention.cpp's kernels (AVX-512), its norms, RoPE and gates on
-    rowwise.cpp's."""
+    its attention on attention.cpp's kernels (prompts; decode steps on AVX-512), its norms, RoPE and
+    gates on rowwise.cpp's."""
     if not can_pack(model):
         return model
     pack_linears(model)
-    if cache_attention_supported():
-        use_attention_kernels(model)
+    use_attention_kernels(model, cache=cache_attention_supported())
     use_rowwise_kernels(model)
     return model
 
@@ -525,21 +524,23 @@ def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Optional[
     return torch.ops.brisk.decode_attention(q, k_cache, v_cache, rows, mask, scale)
 
 
-def prompt_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def prompt_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, isa: Optional[str] = None) -> Tensor:
     """model.Attention's attend_prompt: causal attention of a prompt from position 0 over its own keys,
     [B, T, n_head * head_dim]; blocks past the diagonal are never computed (SDPA's CPU kernel computes
-    up to 512 keys whole)."""
-    return torch.ops.brisk.prompt_attention(q, k, v, scale)
+    up to 512 keys whole). isa None: the CPU's best, as for the products (AVX-512 or AVX2)."""
+    return torch.ops.brisk.prompt_attention(q, k, v, scale, ISA_CODES[isa or best_isa()])
 
 
-def use_attention_kernels(model: Transformer) -> None:
-    """Decode steps and prompts of every layer (but soft-capped ones, which model.py keeps) through
-    attention.cpp: cache_attention and, where a head is whole vectors of 16 features, prompt_attention."""
+def use_attention_kernels(model: Transformer, cache: bool = True) -> None:
+    """Prompts and (cache: on AVX-512) decode steps of every layer (but soft-capped ones, which model.py
+    keeps) through attention.cpp: prompt_attention where a head is whole vectors of 16 features, and
+    cache_attention."""
     register_fake()
     for layer in model.layers:
         a = layer.attention
         if a.softcap is None:
-            a.attend_cache = cache_attention
+            if cache:
+                a.attend_cache = cache_attention
             if a.head_dim % 16 == 0:
                 a.attend_prompt = prompt_attention
 

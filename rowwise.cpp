@@ -58,66 +58,7 @@ AVX512 void silu_mul_row(const T* g, const T* u, T* y, int64_t H) {
   }
 }
 
-// AVX2: 8 lanes; tails through a zero-padded buffer (AVX2 has no masked loads of 16-bit values).
-#define AVX2 __attribute__((target("avx2,fma")))
-
-AVX2 inline __m256 load8(const float* p, int64_t d) {
-  if (d >= 8) return _mm256_loadu_ps(p);
-  alignas(32) float t[8] = {};
-  std::copy(p, p + d, t);
-  return _mm256_load_ps(t);
-}
-AVX2 inline __m256 load8(const at::BFloat16* p, int64_t d) {
-  if (d >= 8)
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-  alignas(32) float t[8] = {};
-  std::copy(p, p + d, t);
-  return _mm256_load_ps(t);
-}
-// The first d of 8 values stored (bf16: rounded to nearest even, as c10::BFloat16).
-AVX2 inline void store8(float* p, __m256 x, int64_t d) {
-  if (d >= 8) return _mm256_storeu_ps(p, x);
-  alignas(32) float t[8];
-  _mm256_store_ps(t, x);
-  std::copy(t, t + d, p);
-}
-AVX2 inline __m256 round_bf16_8(__m256 x) {
-  __m256i b = _mm256_castps_si256(x);
-  __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  b = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
-  return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xffff0000u)));
-}
-AVX2 inline void store8(at::BFloat16* p, __m256 x, int64_t d) {
-  __m256i top = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(x)), 16);
-  __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
-  if (d >= 8) return _mm_storeu_si128((__m128i*)p, h);
-  alignas(16) uint16_t t[8];
-  _mm_store_si128((__m128i*)t, h);
-  std::memcpy(p, t, std::min<int64_t>(d, 8) * sizeof(uint16_t));
-}
-AVX2 inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-// exp(x) for x <= 0, as simd.h's exp16: the same polynomial, 2^n put into the exponent's bits.
-AVX2 inline __m256 exp8(__m256 x) {
-  __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(masked, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
-}
-
+// AVX2: the same, 8 lanes at a time.
 template <typename T>
 AVX2 void rms_norm_row8(const T* x, const T* w, T* y, int64_t D, float eps, float offset) {
   __m256 squares = _mm256_setzero_ps();

@@ -1,12 +1,20 @@
 // Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
-// AVX-512 pieces that attention.cpp and rowwise.cpp share: 16 fp32 lanes loaded from and stored to
-// fp32 or bf16 memory, bf16 rounding, exp. Callers check the CPU first (attention_supported).
+// The pieces that attention.cpp and rowwise.cpp share, for AVX-512 (16 fp32 lanes) and AVX2 (8):
+// lanes loaded from and stored to fp32 or bf16 memory, bf16 rounding, exp. Callers check the CPU
+// first (attention_supported for AVX-512, AVX2 and FMA for the rest).
 #pragma once
 
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cstring>
+
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define AVX2 __attribute__((target("avx2,fma")))
+// On the loops over a register tile's rows and vectors (as in kernels.cpp): unrolled from the
+// start, GCC keeps the tile's sums in registers instead of storing them on every step.
+#define UNROLL _Pragma("GCC unroll 32")
 
 // 16 values of a vector as fp32, of which the first d are read (d <= 0: none; zeros past d).
 AVX512 inline __mmask16 first(int64_t d) {
@@ -49,4 +57,62 @@ AVX512 inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_maskz_mov_ps(~masked, _mm512_scalef_ps(p, n));
+}
+
+// AVX2: 8 lanes; tails through a zero-padded buffer (AVX2 has no masked loads of 16-bit values).
+AVX2 inline __m256 load8(const float* p, int64_t d) {
+  if (d >= 8) return _mm256_loadu_ps(p);
+  alignas(32) float t[8] = {};
+  std::copy(p, p + d, t);
+  return _mm256_load_ps(t);
+}
+AVX2 inline __m256 load8(const at::BFloat16* p, int64_t d) {
+  if (d >= 8)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+  alignas(32) float t[8] = {};
+  std::copy(p, p + d, t);
+  return _mm256_load_ps(t);
+}
+// The first d of 8 values stored (bf16: rounded to nearest even, as c10::BFloat16).
+AVX2 inline void store8(float* p, __m256 x, int64_t d) {
+  if (d >= 8) return _mm256_storeu_ps(p, x);
+  alignas(32) float t[8];
+  _mm256_store_ps(t, x);
+  std::copy(t, t + d, p);
+}
+AVX2 inline __m256 round_bf16_8(__m256 x) {
+  __m256i b = _mm256_castps_si256(x);
+  __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xffff0000u)));
+}
+AVX2 inline void store8(at::BFloat16* p, __m256 x, int64_t d) {
+  __m256i top = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(x)), 16);
+  __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+  if (d >= 8) return _mm_storeu_si128((__m128i*)p, h);
+  alignas(16) uint16_t t[8];
+  _mm_store_si128((__m128i*)t, h);
+  std::memcpy(p, t, std::min<int64_t>(d, 8) * sizeof(uint16_t));
+}
+AVX2 inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+// exp(x) for x <= 0, as simd.h's exp16: the same polynomial, 2^n put into the exponent's bits.
+AVX2 inline __m256 exp8(__m256 x) {
+  __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(masked, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
 }

@@ -460,9 +460,10 @@ for name, path, precision in json.loads(sys.argv[1]):
     model = kernels.pack_for_cpu(load_model(path, "cpu", getattr(torch, precision)))
     out["kernels"][name] = sorted({getattr(m, "isa", type(m).__name__) for m in model.modules()
                                    if isinstance(m, products)})
+    out["prompt_attention"] = all(layer.attention.attend_prompt is kernels.prompt_attention for layer in model.layers)
     with torch.no_grad():
         model.setup_caches(max_batch_size=1, max_seq_length=16)
-        model(torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5))
+        model(torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5), from_start=True)  # prefill's prompt kernel
         out["logits"][name] = model(torch.tensor([[9]]), torch.tensor([5], dtype=torch.int))[0, -1].float().tolist()
     if name in ("fp32", "bf16", "int4"):  # inductor's AVX2 code around kernels.cpp's: token for token as eager
         prompt = torch.tensor([3, 1, 4, 1, 5])
@@ -475,7 +476,8 @@ print(json.dumps(out))
 def test_an_avx2_cpu_runs_what_it_has(tmp_path):
     """Under PyTorch's cap on its CPU kernels (ATEN_CPU_CAPABILITY=avx2) an AVX-512 machine runs what
     a CPU with AVX2 alone (AMD Zen 3) runs: kernels.cpp's AVX2 products for fp32, bf16 (widened to
-    fp32), int8 and int4 (integer products), attention left to PyTorch. Their logits equal the
+    fp32), int8 and int4 (integer products), a prompt's attention on attention.cpp's AVX2 tiles,
+    decode attention left to PyTorch. Their logits after a prompt equal the
     unpacked fp32 model's (int8 / int4: with the weights dequantized, within the int8 rounding of
     the activations) and the compiled step (inductor's AVX2 code around them) decodes as eager, so
     the paths of a whole AVX2 model are tested here, not only its kernels."""
@@ -492,14 +494,14 @@ def test_an_avx2_cpu_runs_what_it_has(tmp_path):
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.splitlines()[-1])
-    assert (got["isa"], got["bf16_dot"], got["attention"]) == ("avx2", False, False)
+    assert (got["isa"], got["bf16_dot"], got["attention"], got["prompt_attention"]) == ("avx2", False, False, True)
     assert got["kernels"] == {"fp32": ["avx2"], "bf16": ["avx2"], "int8": ["avx2"], "int4": ["avx2"]}
     bounds = {"fp32": 1e-5, "bf16": 2e-2, "int8": KERNEL_ERRORS["avx2"], "int4": KERNEL_ERRORS["avx2"]}
     for name, checkpoint, _ in cases:
         reference = load_model(path) if name in ("fp32", "bf16") else dequantized_model(path, checkpoint)
         with torch.no_grad():  # as the child steps
             reference.setup_caches(max_batch_size=1, max_seq_length=16)
-            reference(torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5))
+            reference(torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5), from_start=True)
             expected = reference(torch.tensor([[9]]), torch.tensor([5], dtype=torch.int))[0, -1]
         assert rel_error(torch.tensor(got["logits"][name]), expected) < bounds[name], name
 
@@ -687,18 +689,18 @@ def test_cache_attention_in_the_model(family, kv_cache_dtype, tmp_path):
         assert [r.token_ids for r in results] == alone
 
 
-@needs_cache_attention
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,H,KV,D", [(1, 9, 3, 64), (2, 4, 4, 16), (1, 8, 2, 128), (1, 4, 1, 256), (2, 6, 2, 80)])
 @pytest.mark.parametrize("T", [1, 31, 33, 64, 130])
-def test_prompt_attention_equals_float64_reference(dtype, B, H, KV, D, T):
-    """attention.cpp's prompt attention (causal, from position 0): GQA groups of 1-4 heads, feature
-    counts of 1 to 16 vectors (80: a tile of 4 vectors and one of 1), prompts shorter than a block
-    and across blocks of queries (32) and keys (64), inputs as the model hands them (views of
-    [B, T, heads, D] transposed), against SDPA's causal attention in float64."""
+def test_prompt_attention_equals_float64_reference(simd_isa, dtype, B, H, KV, D, T):
+    """attention.cpp's prompt attention (causal, from position 0), AVX-512 and AVX2: GQA groups of
+    1-4 heads, feature counts of 1 to 16 vectors of 16 (80: AVX-512's tiles of 4 vectors and 1),
+    prompts shorter than a block and across blocks of queries (32) and keys (64; AVX2 scores only the
+    keys some row sees: 16 at a time), inputs as the model hands them (views of [B, T, heads, D]
+    transposed), against SDPA's causal attention in float64."""
     torch.manual_seed(B * 1000 + D + T)
     q, k, v = (torch.randn(B, T, n, D).to(dtype).transpose(1, 2) for n in (H, KV, KV))
-    got = kernels.prompt_attention(q, k, v, D ** -0.5)
+    got = kernels.prompt_attention(q, k, v, D ** -0.5, simd_isa)
     expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, scale=D ** -0.5,
                                               enable_gqa=True).transpose(1, 2).reshape(B, T, H * D)
     assert got.dtype == dtype and got.shape == (B, T, H * D)
@@ -736,7 +738,8 @@ def bf16_ulps(a, b):
 
 
 @pytest.fixture(params=["avx512", "avx2"])
-def rowwise_isa(request):
+def simd_isa(request):
+    """The instruction sets of rowwise.cpp's and attention.cpp's prompt kernels this CPU runs."""
     if request.param not in kernel_isas() or request.param == "avx512" and not kernels.cache_attention_supported():
         pytest.skip(f"this CPU has no {request.param}")
     return request.param
@@ -744,7 +747,7 @@ def rowwise_isa(request):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 37])
-def test_rowwise_kernels_equal_model_code(rowwise_isa, dtype, rows):
+def test_rowwise_kernels_equal_model_code(simd_isa, dtype, rows):
     """rowwise.cpp's RMSNorm (with and without Gemma's offset), RoPE (a strided slice of a qkv
     projection; whole and partial rotary; one table for all rows, as [T, ...] or [1, T, ...], and one
     per row) and SwiGLU gate, AVX-512 and AVX2,
@@ -766,11 +769,11 @@ def test_rowwise_kernels_equal_model_code(rowwise_isa, dtype, rows):
         norm = RMSNorm(dim, 1e-6, offset).to(dtype)
         norm.weight.data = torch.randn(dim, generator=g).to(dtype)
         x = (torch.randn(2, rows, dim, generator=g) * 3).to(dtype)
-        close(kernels.rms_norm(x, norm.weight, norm.eps, norm.offset, rowwise_isa), norm(x))
+        close(kernels.rms_norm(x, norm.weight, norm.eps, norm.offset, simd_isa), norm(x))
     for hidden in (20, 1536):
         gate_up = (torch.randn(2, rows, 2 * hidden, generator=g) * 4).to(dtype)
         gate, up = gate_up.split(hidden, dim=-1)
-        close(kernels.silu_mul(gate_up, hidden, rowwise_isa), F.silu(gate) * up)
+        close(kernels.silu_mul(gate_up, hidden, simd_isa), F.silu(gate) * up)
     heads, head_dim = 3, 24
     qkv = torch.randn(2, rows, (heads + 4) * head_dim, generator=g).to(dtype)
     q = qkv[..., :heads * head_dim].view(2, rows, heads, head_dim)  # strided, as Attention splits it
