@@ -8,8 +8,7 @@
 // exponentials and weighted sum of values, and the chunks of a head are merged at the end, so
 // that even one sequence with three key/value heads keeps both cores busy. And a prompt's causal
 // attention from position 0 over its own keys (prefill; further down).
-// Built with kernels.cpp into one extension (kernels.py). Decode steps on AVX-512 only (elsewhere
-// model.py's own attention runs); prompts on AVX-512 or AVX2.
+// Built with kernels.cpp into one extension (kernels.py); AVX-512 or AVX2, by the ops' isa argument.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -30,16 +29,24 @@ constexpr int64_t MIN_CHUNK = 64;  // positions: fewer make the merge cost more 
 // 64 bits of n <= 64 (the first n set).
 inline uint64_t first64(int64_t n) { return n <= 0 ? 0 : n >= 64 ? ~uint64_t(0) : (uint64_t(1) << n) - 1; }
 
-// Which of the n <= 64 mask bytes at v are true, a bit each.
-AVX512 inline uint64_t true_bits(const bool* v, int64_t n) {
-  __m512i bytes = _mm512_maskz_loadu_epi8(first64(n), v);
-  return _mm512_test_epi8_mask(bytes, bytes);
+// Which of the n <= 64 mask bytes at v are true, a bit each. SSE2 (every x86-64): both instruction
+// sets' code calls it, and it costs little beside the scores of the keys it masks.
+inline uint64_t true_bits(const bool* v, int64_t n) {
+  n = std::min<int64_t>(n, 64);
+  uint64_t bits = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + i));
+    bits |= uint64_t(_mm_movemask_epi8(_mm_cmpeq_epi8(bytes, _mm_setzero_si128())) ^ 0xffff) << i;
+  }
+  for (; i < n; i++) bits |= uint64_t(v[i] ? 1 : 0) << i;
+  return bits;
 }
 
 // The positions a mask row of S shows, [first, last) from its first true to one past its last
 // (first == last: none), 64 at a time: a decode step's mask spans the whole cache (an engine's
 // slots of thousands of positions), of which a short sequence sees its first few.
-AVX512 inline void visible_span(const bool* v, int64_t S, int64_t& first, int64_t& last) {
+inline void visible_span(const bool* v, int64_t S, int64_t& first, int64_t& last) {
   first = last = S;
   for (int64_t s = 0; s < S; s += 64) {
     if (uint64_t m = true_bits(v + s, S - s)) {
@@ -150,22 +157,105 @@ AVX512 void attend_chunk(const float* q, int64_t R, int64_t D, const T* k, const
   }
 }
 
+// The sums of 8 vectors as one: lane i is the sum of v[i]'s 8 values (AVX2's sum16).
+AVX2 inline __m256 sum8x8(const __m256* v) {
+  __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // per half: v0..v3
+  __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));  // per half: v4..v7
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Lanes 8 j .. 8 j + 7 of 64 bits as a mask of 8 lanes (all ones where the bit is set).
+AVX2 inline __m256 lanes8(uint64_t bits, int j) {
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  __m256i b = _mm256_and_si256(_mm256_set1_epi32(int(bits >> (8 * j) & 0xff)), bit);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, bit));
+}
+
+AVX2 inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// attend_chunk on AVX2: blocks of 8 keys, VECS vectors of 8 features (q [R, VECS * 8]), and rows
+// of p v in groups whose sums fit in 8 registers. Writes part and acc [R, VECS * 8].
+template <int VECS, class T>
+AVX2 void attend_chunk8(const float* q, int64_t R, int64_t D, const T* k, const T* v, const bool* visible,
+                        int64_t S, int64_t s0, int64_t s1, float scale, float* scores, Partial& part, float* acc) {
+  constexpr int GROUP = VECS >= 8 ? 1 : 8 / VECS;
+  const int64_t n = s1 - s0, stride = (n + 15) / 16 * 16, written = (n + 7) / 8 * 8;
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 top[MAX_ROWS];
+  for (int64_t r = 0; r < R; r++) top[r] = minus_inf;
+  for (int64_t b = 0; b < n; b += 8) {  // scores, 8 positions at a time; -inf where masked
+    const int64_t m = std::min<int64_t>(8, n - b);
+    for (int64_t r = 0; r < R; r++) {
+      __m256 dot[8];
+      for (int i = 0; i < 8; i++) {
+        dot[i] = _mm256_setzero_ps();
+        if (i < m)
+          UNROLL for (int j = 0; j < VECS; j++)
+            if (8 * j < D)
+              dot[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (r * VECS + j) * 8),
+                                       load8(k + (s0 + b + i) * D + 8 * j, D - 8 * j), dot[i]);
+      }
+      __m256 sc = _mm256_mul_ps(sum8x8(dot), _mm256_set1_ps(scale));
+      sc = _mm256_blendv_ps(minus_inf, sc, lanes8(true_bits(visible + r * S + s0 + b, m), 0));
+      _mm256_storeu_ps(scores + r * stride + b, sc);
+      top[r] = _mm256_max_ps(top[r], sc);
+    }
+  }
+  for (int64_t r = 0; r < R; r++) {  // exponentials (0 where masked) and their sum
+    float* row = scores + r * stride;
+    part.max[r] = max8(top[r]);
+    __m256 mx = _mm256_set1_ps(std::isinf(part.max[r]) ? 0.f : part.max[r]), total = _mm256_setzero_ps();
+    for (int64_t i = 0; i < written; i += 8) {
+      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), mx));
+      _mm256_storeu_ps(row + i, e);
+      total = _mm256_add_ps(total, e);
+    }
+    part.sum[r] = sum8(total);
+  }
+  for (int64_t r = R; r < (R + GROUP - 1) / GROUP * GROUP; r++)  // rows past R weigh nothing
+    std::fill(scores + r * stride, scores + r * stride + n, 0.f);
+  for (int64_t r0 = 0; r0 < R; r0 += GROUP) {  // sums of p v, GROUP rows at a time
+    __m256 a[GROUP][VECS];
+    UNROLL for (int g = 0; g < GROUP; g++)
+      UNROLL for (int j = 0; j < VECS; j++) a[g][j] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < n; s++) {
+      __m256 vs[VECS];
+      UNROLL for (int j = 0; j < VECS; j++)
+        vs[j] = 8 * j < D ? load8(v + (s0 + s) * D + 8 * j, D - 8 * j) : _mm256_setzero_ps();
+      UNROLL for (int g = 0; g < GROUP; g++) {
+        float p = scores[(r0 + g) * stride + s];
+        if (p == 0.f) continue;  // a masked value is never added
+        __m256 ps = _mm256_set1_ps(p);
+        UNROLL for (int j = 0; j < VECS; j++) a[g][j] = _mm256_fmadd_ps(ps, vs[j], a[g][j]);
+      }
+    }
+    for (int g = 0; g < GROUP && r0 + g < R; g++)
+      for (int j = 0; j < VECS; j++) _mm256_storeu_ps(acc + ((r0 + g) * VECS + j) * 8, a[g][j]);
+  }
+}
+
 template <class T>
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                     const int64_t* rows, const torch::Tensor& mask, double scale) {
+                     const int64_t* rows, const torch::Tensor& mask, double scale, bool avx512) {
   int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = mask.size(-1);
+  const int64_t lanes = avx512 ? 16 : 8;
   int64_t cache_S = k_cache.size(2), vecs = 1;
-  while (vecs * 16 < D) vecs *= 2;  // 16-feature vectors per row, a power of 2 (attend_chunk's VECS)
+  while (vecs * lanes < D) vecs *= 2;  // vectors per row, a power of 2 (attend_chunk's VECS)
+  const int64_t width = vecs * lanes;
   bool per_row = mask.dim() == 4;  // [B, 1, R, S]: each sequence its own positions; else [R, S]
-  // Query rows in fp32, each padded with zeros to vecs vectors (a masked load of the cache beyond D
-  // gives zeros too).
-  std::vector<float> qf(B * H * R * vecs * 16, 0.f);  // a few hundred floats: no ATen op for them
+  // Query rows in fp32, each padded with zeros to vecs vectors (the loads of the cache beyond D
+  // give zeros too).
+  std::vector<float> qf(B * H * R * width, 0.f);  // a few hundred floats: no ATen op for them
   bool q_bf16 = q.scalar_type() == torch::kBFloat16;
   const void* q_data = q.data_ptr();
   for (int64_t i = 0; i < B * H * R; i++)
     for (int64_t d = 0; d < D; d++)
-      qf[i * vecs * 16 + d] = q_bf16 ? float(static_cast<const at::BFloat16*>(q_data)[i * D + d])
-                                     : static_cast<const float*>(q_data)[i * D + d];
+      qf[i * width + d] = q_bf16 ? float(static_cast<const at::BFloat16*>(q_data)[i * D + d])
+                                 : static_cast<const float*>(q_data)[i * D + d];
   // Positions past the last one a query row sees are never read: a cache longer than the context
   // so far (generate.py's holds the whole generation) costs nothing until it fills. Nor those
   // before the first one any row sees: a sliding window's layer reads its window, not the context.
@@ -182,7 +272,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   int64_t chunks = std::max<int64_t>(1, std::min((2 * threads + B * H - 1) / (B * H), span / MIN_CHUNK));
   int64_t chunk = (span + chunks - 1) / chunks;
   std::vector<Partial> parts(B * H * chunks);
-  std::vector<float> accs(B * H * chunks * R * vecs * 16);
+  std::vector<float> accs(B * H * chunks * R * width);
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const float* qp = qf.data();
@@ -195,19 +285,27 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
       int64_t row = rows ? rows[b] : b;
       const T* k = kp + (row * H + h) * cache_S * D;
       const T* v = vp + (row * H + h) * cache_S * D;
-      const float* qt = qp + (b * H + h) * R * vecs * 16;
+      const float* qt = qp + (b * H + h) * R * width;
       const bool* vis = mp + (per_row ? b * R * S : 0);
-      float* acc = accs.data() + t * R * vecs * 16;
+      float* acc = accs.data() + t * R * width;
       auto run = [&](auto V) {
-        attend_chunk<decltype(V)::value>(qt, R, D, k, v, vis, S, s0, std::max(s0, s1), (float)scale, scores.data(),
-                                         parts[t], acc);
+        constexpr int VECS = decltype(V)::value;
+        if (avx512) {
+          if constexpr (VECS <= 16)
+            attend_chunk<VECS>(qt, R, D, k, v, vis, S, s0, std::max(s0, s1), (float)scale, scores.data(), parts[t],
+                               acc);
+        } else {
+          attend_chunk8<VECS>(qt, R, D, k, v, vis, S, s0, std::max(s0, s1), (float)scale, scores.data(), parts[t],
+                              acc);
+        }
       };
       switch (vecs) {
         case 1: run(std::integral_constant<int, 1>{}); break;
         case 2: run(std::integral_constant<int, 2>{}); break;
         case 4: run(std::integral_constant<int, 4>{}); break;
         case 8: run(std::integral_constant<int, 8>{}); break;
-        default: run(std::integral_constant<int, 16>{}); break;
+        case 16: run(std::integral_constant<int, 16>{}); break;
+        default: run(std::integral_constant<int, 32>{}); break;
       }
     }
   });
@@ -226,7 +324,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
         if (p.max[r] == -std::numeric_limits<float>::infinity()) continue;
         float w = std::exp(p.max[r] - m);
         total += w * p.sum[r];
-        const float* a = accs.data() + ((bh * chunks + c) * R + r) * vecs * 16;
+        const float* a = accs.data() + ((bh * chunks + c) * R + r) * width;
         for (int64_t d = 0; d < D; d++) o[d] += w * a[d];
       }
       for (int64_t d = 0; d < D; d++) o[d] /= total;
@@ -343,7 +441,7 @@ struct MaskedRows {
   E* out(int64_t r) const { return y + r * D; }
   int64_t begin() const { return first; }
   int64_t end() const { return last; }
-  AVX512 uint64_t visible(int64_t r, int64_t n0, int64_t n) const {
+  uint64_t visible(int64_t r, int64_t n0, int64_t n) const {
     return true_bits(mask + r * S + n0, n);
   }
 };
@@ -469,19 +567,6 @@ AVX2 void value_tile8(const float* p, int64_t n, const float* v, int64_t ldv, co
   }
 }
 
-// Lanes 8 j .. 8 j + 7 of 64 bits as a mask of 8 lanes (all ones where the bit is set).
-AVX2 inline __m256 lanes8(uint64_t bits, int j) {
-  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-  __m256i b = _mm256_and_si256(_mm256_set1_epi32(int(bits >> (8 * j) & 0xff)), bit);
-  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, bit));
-}
-
-AVX2 inline float max8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
 // attend_block on AVX2; scores and values only for the n keys of a block that some row sees.
 template <class C, class Rows>
 AVX2 void attend_block8(const Rows& rows, int64_t R, int64_t D, const float* kt, int64_t ld, const C* v,
@@ -586,7 +671,7 @@ void attend_prompt(const torch::Tensor& q, const torch::Tensor& k, const torch::
 // the positions from the first any of its rows sees to the last (from the mask rows).
 template <class E, class C>
 torch::Tensor attend_many(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                          const int64_t* rows, const torch::Tensor& mask, float scale) {
+                          const int64_t* rows, const torch::Tensor& mask, float scale, bool avx512) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = mask.size(-1);
   const int64_t cache_S = k_cache.size(2), Sp = key_stride(S), blocks = (R + QBLOCK - 1) / QBLOCK;
   const bool per_row = mask.dim() == 4;
@@ -614,25 +699,39 @@ torch::Tensor attend_many(const torch::Tensor& q, const torch::Tensor& k_cache, 
       MaskedRows<E> block_rows{q.data_ptr<E>() + (bh * R + r0) * D, out.data_ptr<E>() + (bh * R + r0) * D, vis, D, S,
                                std::min(first, last), last};
       int64_t row = rows ? rows[b] : b;
-      attend_block(block_rows, m, D, kt.data() + bh * D * Sp, Sp, v_cache.data_ptr<C>() + (row * H + h) * cache_S * D,
-                   D, scale, w);
+      const C* vh = v_cache.data_ptr<C>() + (row * H + h) * cache_S * D;
+      if (avx512)
+        attend_block(block_rows, m, D, kt.data() + bh * D * Sp, Sp, vh, D, scale, w);
+      else
+        attend_block8(block_rows, m, D, kt.data() + bh * D * Sp, Sp, vh, D, scale, w);
     }
   });
   return out;
 }
 
+void check_avx2() {
+  static const bool avx2 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  TORCH_CHECK(avx2, "brisk's attention kernels need AVX2 and FMA (kernels.best_isa())");
+}
+
 }  // namespace
 
-bool attention_supported() {  // kernels.py asks before attaching the kernel
+bool attention_supported() {  // AVX-512's code (else AVX2's): kernels.py and rowwise.cpp ask
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
 
 // q [B, H, R, D]: R query rows per key/value head (past MAX_ROWS: attend_many, D a multiple of 16);
 // k_cache, v_cache [rows, H, S', D]; rows [B]: the cache row of each sequence (None: 0..B-1); mask
-// [R, S] or [B, 1, R, S], true where a query row sees a position (S <= S'). Returns softmax(q k^T * scale, masked) v, [B, H, R, D] in q's dtype.
+// [R, S] or [B, 1, R, S], true where a query row sees a position (S <= S'). Returns softmax(q k^T * scale, masked) v,
+// [B, H, R, D] in q's dtype. isa (kernels.ISA_CODES, as the products'): 0 AVX2, else AVX-512 where the CPU has it.
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                               const c10::optional<torch::Tensor>& rows, const torch::Tensor& mask, double scale) {
+                               const c10::optional<torch::Tensor>& rows, const torch::Tensor& mask, double scale,
+                               int64_t isa) {
+  check_avx2();
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.size(1) == q.size(1) && k_cache.size(3) == q.size(3),
               "decode_attention: q [B, H, R, D] and caches [rows, H, S, D]");
@@ -663,15 +762,16 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   const int64_t* rp = rows.has_value() ? row_ids.data_ptr<int64_t>() : nullptr;
   // The query rows are read into fp32 whatever their dtype; the caches' dtype picks the loads.
   bool cache_f32 = k_cache.scalar_type() == torch::kFloat;
+  const bool avx512 = isa != 0 && attention_supported();
   if (R > MAX_ROWS) {
     if (qc.scalar_type() == torch::kFloat)
-      return cache_f32 ? attend_many<float, float>(qc, k_cache, v_cache, rp, m, scale)
-                       : attend_many<float, at::BFloat16>(qc, k_cache, v_cache, rp, m, scale);
-    return cache_f32 ? attend_many<at::BFloat16, float>(qc, k_cache, v_cache, rp, m, scale)
-                     : attend_many<at::BFloat16, at::BFloat16>(qc, k_cache, v_cache, rp, m, scale);
+      return cache_f32 ? attend_many<float, float>(qc, k_cache, v_cache, rp, m, scale, avx512)
+                       : attend_many<float, at::BFloat16>(qc, k_cache, v_cache, rp, m, scale, avx512);
+    return cache_f32 ? attend_many<at::BFloat16, float>(qc, k_cache, v_cache, rp, m, scale, avx512)
+                     : attend_many<at::BFloat16, at::BFloat16>(qc, k_cache, v_cache, rp, m, scale, avx512);
   }
-  if (cache_f32) return attend<float>(qc, k_cache, v_cache, rp, m, scale);
-  return attend<at::BFloat16>(qc, k_cache, v_cache, rp, m, scale);
+  if (cache_f32) return attend<float>(qc, k_cache, v_cache, rp, m, scale, avx512);
+  return attend<at::BFloat16>(qc, k_cache, v_cache, rp, m, scale, avx512);
 }
 
 // q [B, H, T, D], k, v [B, KV, T, D] (any strides, features contiguous; H a multiple of KV), the
@@ -680,11 +780,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 // the products'): 0 AVX2, else AVX-512 where the CPU has it.
 torch::Tensor prompt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
                                int64_t isa) {
-  static const bool avx2 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  TORCH_CHECK(avx2, "prompt_attention needs AVX2 and FMA (kernels.best_isa())");
+  check_avx2();
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == q.size(0) &&
                   k.size(2) == q.size(2) && k.size(3) == q.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
               "prompt_attention: q [B, H, T, D], k and v [B, KV, T, D], H a multiple of KV");
@@ -706,7 +802,8 @@ torch::Tensor prompt_attention(const torch::Tensor& q, const torch::Tensor& k, c
 TORCH_LIBRARY_FRAGMENT(brisk, m) {
   // flexible_layout: inductor passes its buffers as they are (the op copies what must be contiguous).
   // Under its default for custom ops (exact strides) it recomputed the step's mask for every layer.
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? rows, Tensor mask, float scale) -> Tensor",
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? rows, Tensor mask, float scale, int isa) "
+        "-> Tensor",
         {at::Tag::flexible_layout});
   m.def("prompt_attention(Tensor q, Tensor k, Tensor v, float scale, int isa) -> Tensor");
 }

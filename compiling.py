@@ -10,6 +10,7 @@ inductor may pick is asked of the model's modules (`inductor_hints`, declared by
 quantized.py's modules); nothing here knows their classes.
 """
 import contextlib
+import functools
 import hashlib
 import weakref
 from typing import Callable, Optional
@@ -314,7 +315,11 @@ def machine_digest() -> str:
 
 
 def stable_repr(v) -> str:
-    """repr, but a function by its name rather than its address (the same in every run)."""
+    """repr, but a function by its name rather than its address (the same in every run), and a
+    partial one by its function's name and its arguments' reprs."""
+    if isinstance(v, functools.partial):
+        return f"partial({stable_repr(v.func)}, {[stable_repr(a) for a in v.args]}, " \
+               f"{sorted((k, stable_repr(a)) for k, a in v.keywords.items())})"
     if callable(v) and hasattr(v, "__qualname__"):
         return f"{getattr(v, '__module__', '')}.{v.__qualname__}"
     return repr(v)

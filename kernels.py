@@ -86,8 +86,13 @@ def best_isa() -> str:
     return best if capability in ("AVX2", "AVX512") else ""
 
 
+def isa_code(isa: Optional[str]) -> int:
+    """The ops' isa argument for isa (None: the CPU's best, as for the products)."""
+    return ISA_CODES[isa or best_isa()]
+
+
 def avx512() -> bool:
-    """Whether best_isa is one of AVX-512's: the bf16 product and attention.cpp / rowwise.cpp need it."""
+    """Whether best_isa is one of AVX-512's (the bf16 product's, attention.cpp's and rowwise.cpp's AVX-512 code)."""
     return best_isa().startswith("avx512")
 
 
@@ -125,7 +130,7 @@ def register_fake():
         return packed.new_empty(*idx.shape, dim)
 
     @torch.library.register_fake("brisk::decode_attention")
-    def _(q, k_cache, v_cache, rows, mask, scale):
+    def _(q, k_cache, v_cache, rows, mask, scale, isa):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("brisk::prompt_attention")
@@ -502,52 +507,53 @@ def can_pack(model: Transformer) -> bool:
 
 def pack_for_cpu(model: Transformer) -> Transformer:
     """What the command lines call after loading: the model packed where kernels.cpp serves it, and
-    its attention on attention.cpp's kernels (prompts; decode steps on AVX-512), its norms, RoPE and
-    gates on rowwise.cpp's."""
+    its attention (decode steps, prompts) on attention.cpp's kernels, its norms, RoPE and gates on
+    rowwise.cpp's."""
     if not can_pack(model):
         return model
     pack_linears(model)
-    use_attention_kernels(model, cache=cache_attention_supported())
+    use_attention_kernels(model)
     use_rowwise_kernels(model)
     return model
 
 
 @functools.cache
-def cache_attention_supported() -> bool:
-    """Whether attention.cpp's kernels run here (AVX-512)."""
+def avx512_attention() -> bool:
+    """Whether attention.cpp and rowwise.cpp run their AVX-512 code here (elsewhere their AVX2 code)."""
     return avx512() and extension().attention_supported()
 
 
 def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Optional[Tensor], mask: Tensor,
-                    scale: float) -> Tensor:
-    """model.Attention's attend_cache: the query rows of a decode step against the KV cache, read in place."""
-    return torch.ops.brisk.decode_attention(q, k_cache, v_cache, rows, mask, scale)
+                    scale: float, isa: Optional[str] = None) -> Tensor:
+    """model.Attention's attend_cache: the query rows of a decode step against the KV cache, read in
+    place (isa None: the CPU's best, as for the products: AVX-512 or AVX2)."""
+    return torch.ops.brisk.decode_attention(q, k_cache, v_cache, rows, mask, scale, isa_code(isa))
 
 
 def prompt_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, isa: Optional[str] = None) -> Tensor:
     """model.Attention's attend_prompt: causal attention of a prompt from position 0 over its own keys,
     [B, T, n_head * head_dim]; blocks past the diagonal are never computed (SDPA's CPU kernel computes
     up to 512 keys whole). isa None: the CPU's best, as for the products (AVX-512 or AVX2)."""
-    return torch.ops.brisk.prompt_attention(q, k, v, scale, ISA_CODES[isa or best_isa()])
+    return torch.ops.brisk.prompt_attention(q, k, v, scale, isa_code(isa))
 
 
-def use_attention_kernels(model: Transformer, cache: bool = True) -> None:
-    """Prompts and (cache: on AVX-512) decode steps of every layer (but soft-capped ones, which model.py
-    keeps) through attention.cpp: prompt_attention where a head is whole vectors of 16 features, and
-    cache_attention."""
+def use_attention_kernels(model: Transformer) -> None:
+    """Decode steps and prompts of every layer (but soft-capped ones, which model.py keeps) through
+    attention.cpp: cache_attention and, where a head is whole vectors of 16 features, prompt_attention."""
     register_fake()
     for layer in model.layers:
         a = layer.attention
         if a.softcap is None:
-            if cache:
-                a.attend_cache = cache_attention
+            # The isa bound here: a compiled step calls the kernel with it as a constant (dynamo
+            # would otherwise trace best_isa, and the build of the extension behind it).
+            a.attend_cache = functools.partial(cache_attention, isa=best_isa())
             if a.head_dim % 16 == 0:
                 a.attend_prompt = prompt_attention
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float, isa: Optional[str] = None) -> Tensor:
     """model.RMSNorm's kernel (rowwise.cpp; isa None: the CPU's best, as for the products)."""
-    return torch.ops.brisk.rms_norm(x, weight, eps, offset, ISA_CODES[isa or best_isa()])
+    return torch.ops.brisk.rms_norm(x, weight, eps, offset, isa_code(isa))
 
 
 def rotate(x: Tensor, rope: Tensor) -> Tensor:
@@ -557,7 +563,7 @@ def rotate(x: Tensor, rope: Tensor) -> Tensor:
 
 def silu_mul(gate_up: Tensor, hidden: int, isa: Optional[str] = None) -> Tensor:
     """PackedFeedForward's gate_kernel for SwiGLU: silu(gate) * up of [gate, up] (rowwise.cpp)."""
-    return torch.ops.brisk.silu_mul(gate_up, hidden, ISA_CODES[isa or best_isa()])
+    return torch.ops.brisk.silu_mul(gate_up, hidden, isa_code(isa))
 
 
 def use_rowwise_kernels(model: Transformer) -> None:

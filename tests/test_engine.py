@@ -329,7 +329,7 @@ def test_compiled_engine_equals_eager(tiny, family, mode, tmp_path, capfd):
     # decode steps are packages, not graphs of dynamo's).
     decode_graphs = 2 if engine.kv_buckets else 1
     import kernels
-    assert engine.kv_buckets == (mode not in ("packed", "packed-bf16") or not kernels.cache_attention_supported())
+    assert engine.kv_buckets == (mode not in ("packed", "packed-bf16") or not kernels.best_isa())
     if needs_freezing(model):
         assert counters["stats"]["unique_graphs"] == decode_graphs + 1
     else:
