@@ -460,8 +460,9 @@ for name, path, precision in json.loads(sys.argv[1]):
     model = kernels.pack_for_cpu(load_model(path, "cpu", getattr(torch, precision)))
     out["kernels"][name] = sorted({getattr(m, "isa", type(m).__name__) for m in model.modules()
                                    if isinstance(m, products)})
-    out["prompt_attention"] = all(layer.attention.attend_prompt is kernels.prompt_attention and
-                                  layer.attention.attend_cache.func is kernels.cache_attention for layer in model.layers)
+    attention = [layer.attention for layer in model.layers]
+    out["prompt_attention"] = all(a.attend_prompt is kernels.prompt_attention and
+                                  a.attend_cache.func is kernels.cache_attention for a in attention)
     with torch.no_grad():
         model.setup_caches(max_batch_size=1, max_seq_length=16)
         model(torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5), from_start=True)  # prefill's prompt kernel
