@@ -709,14 +709,6 @@ torch::Tensor attend_many(const torch::Tensor& q, const torch::Tensor& k_cache, 
   return out;
 }
 
-void check_avx2() {
-  static const bool avx2 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  TORCH_CHECK(avx2, "brisk's attention kernels need AVX2 and FMA (kernels.best_isa())");
-}
-
 }  // namespace
 
 bool attention_supported() {  // AVX-512's code (else AVX2's): kernels.py and rowwise.cpp ask
@@ -762,7 +754,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   const int64_t* rp = rows.has_value() ? row_ids.data_ptr<int64_t>() : nullptr;
   // The query rows are read into fp32 whatever their dtype; the caches' dtype picks the loads.
   bool cache_f32 = k_cache.scalar_type() == torch::kFloat;
-  const bool avx512 = isa != 0 && attention_supported();
+  const bool avx512 = wide(isa);
   if (R > MAX_ROWS) {
     if (qc.scalar_type() == torch::kFloat)
       return cache_f32 ? attend_many<float, float>(qc, k_cache, v_cache, rp, m, scale, avx512)
@@ -791,7 +783,7 @@ torch::Tensor prompt_attention(const torch::Tensor& q, const torch::Tensor& k, c
               "prompt_attention: a multiple of 16 features, contiguous");
   auto y = torch::empty({q.size(0), q.size(2), q.size(1) * q.size(3)}, q.options());
   if (q.numel() == 0) return y;
-  const bool avx512 = isa != 0 && attention_supported();
+  const bool avx512 = wide(isa);
   if (q.scalar_type() == torch::kFloat)
     attend_prompt<float>(q, k, v, (float)scale, avx512, y);
   else

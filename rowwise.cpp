@@ -17,8 +17,6 @@
 
 #include "simd.h"
 
-bool attention_supported();  // attention.cpp: the same instruction sets
-
 namespace {
 
 // Rows per thread below which the threads' start-up costs more than the work.
@@ -90,12 +88,6 @@ AVX2 void silu_mul_row8(const T* g, const T* u, T* y, int64_t H) {
   }
 }
 
-// The AVX-512 code where isa asks for it (kernels.ISA_CODES: 1, 2) and the CPU has it, else AVX2.
-bool wide(int64_t isa) {
-  static const bool avx512 = attention_supported();
-  return isa != 0 && avx512;
-}
-
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, float eps, float offset, bool avx512) {
   at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
@@ -146,18 +138,10 @@ bool float_or_bf16(const torch::Tensor& t) {
   return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
 }
 
-void check_cpu() {
-  static const bool avx2 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  TORCH_CHECK(avx2, "brisk's row-wise kernels need AVX2 (kernels.best_isa())");
-}
-
 }  // namespace
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset, int64_t isa) {
-  check_cpu();
+  check_avx2();
   TORCH_CHECK(float_or_bf16(x) && weight.scalar_type() == x.scalar_type(),
               "rms_norm: x and weight both float32 or both bfloat16");
   int64_t D = x.size(-1);
@@ -175,7 +159,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double
 }
 
 torch::Tensor silu_mul(torch::Tensor gate_up, int64_t hidden, int64_t isa) {
-  check_cpu();
+  check_avx2();
   TORCH_CHECK(float_or_bf16(gate_up) && gate_up.size(-1) == 2 * hidden,
               "silu_mul: gate_up float32 or bfloat16, its last dimension 2 * hidden");
   gate_up = gate_up.contiguous();
@@ -191,7 +175,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up, int64_t hidden, int64_t isa) {
 }
 
 torch::Tensor apply_rope(torch::Tensor x, torch::Tensor rope) {
-  check_cpu();
+  check_avx2();
   TORCH_CHECK(float_or_bf16(x) && x.dim() == 4, "apply_rope: x [B, T, heads, head_dim] float32 or bfloat16");
   TORCH_CHECK(rope.scalar_type() == torch::kFloat && rope.size(-1) == 2 && rope.size(-2) <= x.size(3) &&
                   rope.size(-2) % 2 == 0 &&

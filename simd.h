@@ -1,7 +1,7 @@
 // Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
 // The pieces that attention.cpp and rowwise.cpp share, for AVX-512 (16 fp32 lanes) and AVX2 (8):
-// lanes loaded from and stored to fp32 or bf16 memory, bf16 rounding, exp. Callers check the CPU
-// first (attention_supported for AVX-512, AVX2 and FMA for the rest).
+// which of the two runs (check_avx2, wide), lanes loaded from and stored to fp32 or bf16 memory,
+// bf16 rounding, exp.
 #pragma once
 
 #include <torch/extension.h>
@@ -15,6 +15,24 @@
 // On the loops over a register tile's rows and vectors (as in kernels.cpp): unrolled from the
 // start, GCC keeps the tile's sums in registers instead of storing them on every step.
 #define UNROLL _Pragma("GCC unroll 32")
+
+bool attention_supported();  // attention.cpp: AVX-512 with BW and VL
+
+// Every op's first check: its AVX2 code is the least it runs.
+inline void check_avx2() {
+  static const bool avx2 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  TORCH_CHECK(avx2, "brisk's kernels need AVX2 and FMA (kernels.best_isa())");
+}
+
+// The AVX-512 code where the ops' isa argument asks for it (kernels.ISA_CODES: 1, 2) and the CPU
+// has it, else AVX2's.
+inline bool wide(int64_t isa) {
+  static const bool avx512 = attention_supported();
+  return isa != 0 && avx512;
+}
 
 // 16 values of a vector as fp32, of which the first d are read (d <= 0: none; zeros past d).
 AVX512 inline __mmask16 first(int64_t d) {
