@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -171,6 +172,15 @@ AVX2 inline __m256 lanes8(uint64_t bits, int j) {
   return _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, bit));
 }
 
+// The first m <= 8 mask bytes at v as a mask of 8 lanes (lanes past m: none).
+AVX2 inline __m256 visible8(const bool* v, int64_t m) {
+  uint64_t bytes = 0;
+  std::memcpy(&bytes, v, m);
+  __m256i lanes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(bytes)));
+  return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_cmpeq_epi32(lanes, _mm256_setzero_si256()),
+                                              _mm256_set1_epi32(-1)));
+}
+
 AVX2 inline float max8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -200,7 +210,7 @@ AVX2 void attend_chunk8(const float* q, int64_t R, int64_t D, const T* k, const 
                                        load8(k + (s0 + b + i) * D + 8 * j, D - 8 * j), dot[i]);
       }
       __m256 sc = _mm256_mul_ps(sum8x8(dot), _mm256_set1_ps(scale));
-      sc = _mm256_blendv_ps(minus_inf, sc, lanes8(true_bits(visible + r * S + s0 + b, m), 0));
+      sc = _mm256_blendv_ps(minus_inf, sc, visible8(visible + r * S + s0 + b, m));
       _mm256_storeu_ps(scores + r * stride + b, sc);
       top[r] = _mm256_max_ps(top[r], sc);
     }
