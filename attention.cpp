@@ -26,6 +26,7 @@ namespace {
 
 constexpr int64_t MAX_ROWS = 16;  // query rows per key/value head (heads per group x tokens)
 constexpr int64_t MIN_CHUNK = 64;  // positions: fewer make the merge cost more than it saves
+constexpr int64_t AHEAD = 8;  // keys ahead of their use that a decode step asks the memory for
 
 // 64 bits of n <= 64 (the first n set).
 inline uint64_t first64(int64_t n) { return n <= 0 ? 0 : n >= 64 ? ~uint64_t(0) : (uint64_t(1) << n) - 1; }
@@ -68,6 +69,14 @@ inline void visible_span(const bool* v, int64_t S, int64_t& first, int64_t& last
 struct Partial {  // one chunk of positions, per query row: max score, sum of exponentials, sum p v
   float max[MAX_ROWS], sum[MAX_ROWS];
 };
+
+template <int MAX, int R = 1, class F>
+void with_rows(int64_t rows, F&& f) {  // f(std::integral_constant<int, rows>), rows <= MAX
+  if constexpr (R < MAX) {
+    if (rows != R) return with_rows<MAX, R + 1>(rows, f);
+  }
+  f(std::integral_constant<int, R>{});
+}
 
 // The sums of 16 vectors as one: lane i is the sum of v[i]'s 16 values. A tree of shuffles and
 // adds (45 instructions) where 16 separate reductions would take over a hundred.
@@ -187,29 +196,100 @@ AVX2 inline float max8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-// attend_chunk on AVX2: blocks of 8 keys, VECS vectors of 8 features (q [R, VECS * 8]), and rows
-// of p v in groups whose sums fit in 8 registers. Writes part and acc [R, VECS * 8].
-template <int VECS, class T>
+// AVX2 has 16 registers: the rows of a decode step (heads per group x tokens) go CHUNK_ROWS at a
+// time, each key's and value's vectors loaded once for all of them, with enough independent sums
+// (8: keys x rows in scores, vectors x rows in values) to keep both FMA units busy. Heads of whole
+// vectors (WHOLE: D a multiple of 8, every model's) load without bound checks: checked, GCC kept
+// the sums on the stack.
+constexpr int CHUNK_ROWS = 4;
+constexpr int64_t VALUE_KEYS = 32;  // keys whose values stay in L1 while each group of vectors takes its turn
+
+// Lane-wise products of ROWS query rows (q, `width` apart) with the keys at k (D features each; n
+// of them, 8 - n past the end are the last one again): sums[8 r + i]'s lanes add up to row r's
+// score of key i (sum8x8 adds them).
+template <int ROWS, bool WHOLE, class T>
+AVX2 inline void dots8(const float* q, int64_t width, int64_t D, const T* k, int64_t n, __m256* sums) {
+  constexpr int KEYS = ROWS == 1 ? 8 : ROWS == 2 ? 4 : 2;  // keys at a time: ROWS x KEYS sums
+  for (int i0 = 0; i0 < 8; i0 += KEYS) {
+    const T* key[KEYS];
+    UNROLL for (int i = 0; i < KEYS; i++) key[i] = k + std::min<int64_t>(i0 + i, n - 1) * D;
+    __m256 acc[ROWS][KEYS];
+    UNROLL for (int r = 0; r < ROWS; r++)
+      UNROLL for (int i = 0; i < KEYS; i++) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < D; j += 8) {
+      __m256 qr[ROWS];
+      UNROLL for (int r = 0; r < ROWS; r++) qr[r] = _mm256_loadu_ps(q + r * width + j);
+      UNROLL for (int i = 0; i < KEYS; i++) {
+        __m256 kv = load8(key[i] + j, WHOLE ? 8 : D - j);
+        UNROLL for (int r = 0; r < ROWS; r++) acc[r][i] = _mm256_fmadd_ps(qr[r], kv, acc[r][i]);
+      }
+    }
+    UNROLL for (int r = 0; r < ROWS; r++)
+      UNROLL for (int i = 0; i < KEYS; i++) sums[8 * r + i0 + i] = acc[r][i];
+  }
+}
+
+// o[r, c : c + 8 VECS] += sum over s < n of p[r, s] v[s, c : c + 8 VECS], for ROWS rows (p `stride`
+// apart, o `width` apart) and c + 8 VECS <= D rounded up to 8. A masked position's p is 0: its
+// value, finite, adds nothing.
+template <int ROWS, int VECS, bool WHOLE, class T>
+AVX2 inline void values8(const float* p, int64_t stride, int64_t n, const T* v, int64_t D, int64_t c, float* o,
+                         int64_t width) {
+  __m256 acc[ROWS][VECS];
+  UNROLL for (int r = 0; r < ROWS; r++)
+    UNROLL for (int j = 0; j < VECS; j++) acc[r][j] = _mm256_loadu_ps(o + r * width + c + 8 * j);
+  for (int64_t s = 0; s < n; s++) {
+    __m256 vs[VECS];
+    UNROLL for (int j = 0; j < VECS; j++) vs[j] = load8(v + s * D + c + 8 * j, WHOLE ? 8 : D - c - 8 * j);
+    UNROLL for (int r = 0; r < ROWS; r++) {
+      __m256 ps = _mm256_broadcast_ss(p + r * stride + s);
+      UNROLL for (int j = 0; j < VECS; j++) acc[r][j] = _mm256_fmadd_ps(ps, vs[j], acc[r][j]);
+    }
+  }
+  UNROLL for (int r = 0; r < ROWS; r++)
+    UNROLL for (int j = 0; j < VECS; j++) _mm256_storeu_ps(o + r * width + c + 8 * j, acc[r][j]);
+}
+
+// The sums of p v of ROWS rows over n keys: vectors of features VECS at a time, the most that both
+// fit the registers beside the rows' sums and divide D / 8 (a tail of D % 8 features alone).
+template <int ROWS, bool WHOLE, class T>
+AVX2 void values_rows(const float* p, int64_t stride, int64_t n, const T* v, int64_t D, float* o, int64_t width) {
+  constexpr int MOST = ROWS == 1 ? 8 : ROWS == 2 ? 4 : 2;
+  int vecs = WHOLE ? MOST : 1;
+  while ((D / 8) % vecs) vecs /= 2;
+  auto pass = [&](auto V) {
+    constexpr int VECS = decltype(V)::value;
+    if constexpr (VECS <= MOST)
+      for (int64_t c = 0; c < D; c += 8 * VECS) values8<ROWS, VECS, WHOLE>(p, stride, n, v, D, c, o, width);
+  };
+  switch (vecs) {
+    case 8: pass(std::integral_constant<int, 8>{}); break;
+    case 4: pass(std::integral_constant<int, 4>{}); break;
+    case 2: pass(std::integral_constant<int, 2>{}); break;
+    default: pass(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// attend_chunk on AVX2: scores by blocks of 8 keys, then the sums of p v by blocks of VALUE_KEYS,
+// rows CHUNK_ROWS at a time. q [R, VECS * 8]; writes part and acc [R, VECS * 8]. The positions a
+// chunk reads are those of its own sequence's rows (attend): where one row is masked and another
+// is not, the value is one the sequence wrote, finite.
+template <int VECS, bool WHOLE, class T>
 AVX2 void attend_chunk8(const float* q, int64_t R, int64_t D, const T* k, const T* v, const bool* visible,
                         int64_t S, int64_t s0, int64_t s1, float scale, float* scores, Partial& part, float* acc) {
-  constexpr int GROUP = VECS >= 8 ? 1 : 8 / VECS;
-  const int64_t n = s1 - s0, stride = (n + 15) / 16 * 16, written = (n + 7) / 8 * 8;
+  const int64_t n = s1 - s0, stride = (n + 15) / 16 * 16, written = (n + 7) / 8 * 8, width = VECS * 8;
   const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  __m256 top[MAX_ROWS];
+  __m256 top[MAX_ROWS], sums[MAX_ROWS * 8];
   for (int64_t r = 0; r < R; r++) top[r] = minus_inf;
   for (int64_t b = 0; b < n; b += 8) {  // scores, 8 positions at a time; -inf where masked
     const int64_t m = std::min<int64_t>(8, n - b);
+    prefetch_lines<_MM_HINT_T0>(k + (s0 + b) * D, AHEAD * D, 8 * D);
+    for (int64_t r0 = 0; r0 < R; r0 += CHUNK_ROWS)
+      with_rows<CHUNK_ROWS>(std::min<int64_t>(CHUNK_ROWS, R - r0), [&](auto rows) {
+        dots8<decltype(rows)::value, WHOLE>(q + r0 * width, width, D, k + (s0 + b) * D, m, sums + 8 * r0);
+      });
     for (int64_t r = 0; r < R; r++) {
-      __m256 dot[8];
-      for (int i = 0; i < 8; i++) {
-        dot[i] = _mm256_setzero_ps();
-        if (i < m)
-          UNROLL for (int j = 0; j < VECS; j++)
-            if (8 * j < D)
-              dot[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (r * VECS + j) * 8),
-                                       load8(k + (s0 + b + i) * D + 8 * j, D - 8 * j), dot[i]);
-      }
-      __m256 sc = _mm256_mul_ps(sum8x8(dot), _mm256_set1_ps(scale));
+      __m256 sc = _mm256_mul_ps(sum8x8(sums + 8 * r), _mm256_set1_ps(scale));
       sc = _mm256_blendv_ps(minus_inf, sc, visible8(visible + r * S + s0 + b, m));
       _mm256_storeu_ps(scores + r * stride + b, sc);
       top[r] = _mm256_max_ps(top[r], sc);
@@ -226,26 +306,16 @@ AVX2 void attend_chunk8(const float* q, int64_t R, int64_t D, const T* k, const 
     }
     part.sum[r] = sum8(total);
   }
-  for (int64_t r = R; r < (R + GROUP - 1) / GROUP * GROUP; r++)  // rows past R weigh nothing
-    std::fill(scores + r * stride, scores + r * stride + n, 0.f);
-  for (int64_t r0 = 0; r0 < R; r0 += GROUP) {  // sums of p v, GROUP rows at a time
-    __m256 a[GROUP][VECS];
-    UNROLL for (int g = 0; g < GROUP; g++)
-      UNROLL for (int j = 0; j < VECS; j++) a[g][j] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < n; s++) {
-      __m256 vs[VECS];
-      UNROLL for (int j = 0; j < VECS; j++)
-        vs[j] = 8 * j < D ? load8(v + (s0 + s) * D + 8 * j, D - 8 * j) : _mm256_setzero_ps();
-      UNROLL for (int g = 0; g < GROUP; g++) {
-        float p = scores[(r0 + g) * stride + s];
-        if (p == 0.f) continue;  // a masked value is never added
-        __m256 ps = _mm256_set1_ps(p);
-        UNROLL for (int j = 0; j < VECS; j++) a[g][j] = _mm256_fmadd_ps(ps, vs[j], a[g][j]);
+  std::fill(acc, acc + R * width, 0.f);
+  for (int64_t r0 = 0; r0 < R; r0 += CHUNK_ROWS)  // sums of p v
+    with_rows<CHUNK_ROWS>(std::min<int64_t>(CHUNK_ROWS, R - r0), [&](auto rows) {
+      for (int64_t s = 0; s < n; s += VALUE_KEYS) {
+        const int64_t keys = std::min(VALUE_KEYS, n - s);
+        for (int64_t i = 0; i < keys; i++) prefetch_lines<_MM_HINT_T0>(v + (s0 + s + i) * D, AHEAD * D, D);
+        values_rows<decltype(rows)::value, WHOLE>(scores + r0 * stride + s, stride, keys, v + (s0 + s) * D, D,
+                                                  acc + r0 * width, width);
       }
-    }
-    for (int g = 0; g < GROUP && r0 + g < R; g++)
-      for (int j = 0; j < VECS; j++) _mm256_storeu_ps(acc + ((r0 + g) * VECS + j) * 8, a[g][j]);
-  }
+    });
 }
 
 template <class T>
@@ -266,21 +336,26 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
     for (int64_t d = 0; d < D; d++)
       qf[i * width + d] = q_bf16 ? float(static_cast<const at::BFloat16*>(q_data)[i * D + d])
                                  : static_cast<const float*>(q_data)[i * D + d];
-  // Positions past the last one a query row sees are never read: a cache longer than the context
-  // so far (generate.py's holds the whole generation) costs nothing until it fills. Nor those
-  // before the first one any row sees: a sliding window's layer reads its window, not the context.
+  // Positions past the last one a sequence's query rows see are never read: a cache longer than the
+  // context so far (generate.py's holds the whole generation) costs nothing until it fills, nor does
+  // an engine's short sequence beside a long one. Nor those before the first one they see: a sliding
+  // window's layer reads its window, not the context.
   const bool* mp = mask.data_ptr<bool>();
-  int64_t seen = 0, begin = S, rows_total = (per_row ? B : 1) * R;
-  for (int64_t i = 0; i < rows_total; i++) {
-    int64_t first, last;
-    visible_span(mp + i * S, S, first, last);
-    if (first < last) begin = std::min(begin, first), seen = std::max(seen, last);
+  const int64_t spans = per_row ? B : 1;
+  std::vector<int64_t> begin(spans, S), seen(spans, 0);
+  int64_t longest = 0;
+  for (int64_t i = 0; i < spans; i++) {
+    for (int64_t r = 0; r < R; r++) {
+      int64_t first, last;
+      visible_span(mp + (i * R + r) * S, S, first, last);
+      if (first < last) begin[i] = std::min(begin[i], first), seen[i] = std::max(seen[i], last);
+    }
+    begin[i] = std::min(begin[i], seen[i]);
+    longest = std::max(longest, seen[i] - begin[i]);
   }
-  begin = std::min(begin, seen);
   int threads = at::get_num_threads();
-  int64_t span = seen - begin;
-  int64_t chunks = std::max<int64_t>(1, std::min((2 * threads + B * H - 1) / (B * H), span / MIN_CHUNK));
-  int64_t chunk = (span + chunks - 1) / chunks;
+  int64_t chunks = std::max<int64_t>(1, std::min((2 * threads + B * H - 1) / (B * H), longest / MIN_CHUNK));
+  int64_t longest_chunk = (longest + chunks - 1) / chunks;
   std::vector<Partial> parts(B * H * chunks);
   std::vector<float> accs(B * H * chunks * R * width);
   const T* kp = k_cache.data_ptr<T>();
@@ -288,10 +363,11 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   const float* qp = qf.data();
   at::parallel_for(0, B * H * chunks, 1, [&](int64_t t0, int64_t t1) {
     // Room for whole groups of rows (attend_chunk) of positions rounded up to 16.
-    std::vector<float> scores((R + 15) * ((chunk + 15) / 16 * 16));
+    std::vector<float> scores((R + 15) * ((longest_chunk + 15) / 16 * 16));
     for (int64_t t = t0; t < t1; t++) {
-      int64_t b = t / (H * chunks), h = t / chunks % H, c = t % chunks;
-      int64_t s0 = begin + c * chunk, s1 = std::min(seen, s0 + chunk);
+      int64_t b = t / (H * chunks), h = t / chunks % H, c = t % chunks, i = per_row ? b : 0;
+      int64_t chunk = (seen[i] - begin[i] + chunks - 1) / chunks;
+      int64_t s0 = begin[i] + c * chunk, s1 = std::min(seen[i], s0 + chunk);
       int64_t row = rows ? rows[b] : b;
       const T* k = kp + (row * H + h) * cache_S * D;
       const T* v = vp + (row * H + h) * cache_S * D;
@@ -305,8 +381,8 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
             attend_chunk<VECS>(qt, R, D, k, v, vis, S, s0, std::max(s0, s1), (float)scale, scores.data(), parts[t],
                                acc);
         } else {
-          attend_chunk8<VECS>(qt, R, D, k, v, vis, S, s0, std::max(s0, s1), (float)scale, scores.data(), parts[t],
-                              acc);
+          auto chunk8 = D % 8 == 0 ? attend_chunk8<VECS, true, T> : attend_chunk8<VECS, false, T>;
+          chunk8(qt, R, D, k, v, vis, S, s0, std::max(s0, s1), (float)scale, scores.data(), parts[t], acc);
         }
       };
       switch (vecs) {
@@ -391,14 +467,6 @@ AVX512 void value_tile(const float* p, int64_t n, const float* v, int64_t ldv, c
   }
   for (int r = 0; r < ROWS; r++)
     for (int j = 0; j < VECS; j++) _mm512_storeu_ps(o + r * D + 16 * j, acc[r][j]);
-}
-
-template <int R = 1, class F>
-void with_tile_rows(int64_t rows, F&& f) {  // f(std::integral_constant<int, rows>), rows <= TILE_ROWS
-  if constexpr (R < TILE_ROWS) {
-    if (rows != R) return with_tile_rows<R + 1>(rows, f);
-  }
-  f(std::integral_constant<int, R>{});
 }
 
 template <int R>
@@ -490,7 +558,7 @@ AVX512 void attend_block(const Rows& rows, int64_t R, int64_t D, const float* kt
   for (int64_t n0 = rows.begin() / KBLOCK * KBLOCK; n0 < rows.end(); n0 += KBLOCK) {
     const int64_t n = std::min(KBLOCK, rows.end() - n0);  // keys any row of the block sees
     for (int64_t r = 0; r < R; r += TILE_ROWS)
-      with_tile_rows(std::min<int64_t>(TILE_ROWS, R - r), [&](auto tile) {
+      with_rows<TILE_ROWS>(std::min<int64_t>(TILE_ROWS, R - r), [&](auto tile) {
         score_tile<decltype(tile)::value>(w.q.data() + r * D, D, kt + n0, ld, w.s.data() + r * KBLOCK);
       });
     for (int64_t r = 0; r < R; r++) {  // -inf where row r does not see the key
@@ -522,7 +590,7 @@ AVX512 void attend_block(const Rows& rows, int64_t R, int64_t D, const float* kt
       vb = w.v.data(), ldf = D;
     }
     for (int64_t r = 0; r < R; r += TILE_ROWS)
-      with_tile_rows(std::min<int64_t>(TILE_ROWS, R - r), [&](auto tile) {
+      with_rows<TILE_ROWS>(std::min<int64_t>(TILE_ROWS, R - r), [&](auto tile) {
         value_rows<decltype(tile)::value>(w.s.data() + r * KBLOCK, n, vb, ldf, w.alpha.data() + r, w.o.data() + r * D,
                                           D);
       });
@@ -586,7 +654,7 @@ AVX2 void attend_block8(const Rows& rows, int64_t R, int64_t D, const float* kt,
   for (int64_t n0 = rows.begin() / KBLOCK * KBLOCK; n0 < rows.end(); n0 += KBLOCK) {
     const int64_t n = std::min(KBLOCK, rows.end() - n0), vecs = (n + 7) / 8;
     for (int64_t r = 0; r < R; r += TILE_ROWS)
-      with_tile_rows(std::min<int64_t>(TILE_ROWS, R - r), [&](auto tile) {
+      with_rows<TILE_ROWS>(std::min<int64_t>(TILE_ROWS, R - r), [&](auto tile) {
         for (int64_t c = 0; c < n; c += 16)
           score_tile8<decltype(tile)::value>(w.q.data() + r * D, D, kt + n0 + c, ld, w.s.data() + r * KBLOCK + c);
       });
@@ -620,7 +688,7 @@ AVX2 void attend_block8(const Rows& rows, int64_t R, int64_t D, const float* kt,
       vb = w.v.data(), ldf = D;
     }
     for (int64_t r = 0; r < R; r += TILE_ROWS)
-      with_tile_rows(std::min<int64_t>(TILE_ROWS, R - r), [&](auto tile) {
+      with_rows<TILE_ROWS>(std::min<int64_t>(TILE_ROWS, R - r), [&](auto tile) {
         for (int64_t c = 0; c < D; c += 16)
           value_tile8<decltype(tile)::value>(w.s.data() + r * KBLOCK, n, vb + c, ldf, w.alpha.data() + r,
                                              w.o.data() + r * D + c, D);
