@@ -283,7 +283,7 @@ AVX2 void attend_chunk8(const float* q, int64_t R, int64_t D, const T* k, const 
   for (int64_t r = 0; r < R; r++) top[r] = minus_inf;
   for (int64_t b = 0; b < n; b += 8) {  // scores, 8 positions at a time; -inf where masked
     const int64_t m = std::min<int64_t>(8, n - b);
-    prefetch_lines<_MM_HINT_T0>(k + (s0 + b) * D, AHEAD * D, 8 * D);
+    prefetch_lines(k + (s0 + b) * D, AHEAD * D, 8 * D);
     for (int64_t r0 = 0; r0 < R; r0 += CHUNK_ROWS)
       with_rows<CHUNK_ROWS>(std::min<int64_t>(CHUNK_ROWS, R - r0), [&](auto rows) {
         dots8<decltype(rows)::value, WHOLE>(q + r0 * width, width, D, k + (s0 + b) * D, m, sums + 8 * r0);
@@ -311,7 +311,7 @@ AVX2 void attend_chunk8(const float* q, int64_t R, int64_t D, const T* k, const 
     with_rows<CHUNK_ROWS>(std::min<int64_t>(CHUNK_ROWS, R - r0), [&](auto rows) {
       for (int64_t s = 0; s < n; s += VALUE_KEYS) {
         const int64_t keys = std::min(VALUE_KEYS, n - s);
-        for (int64_t i = 0; i < keys; i++) prefetch_lines<_MM_HINT_T0>(v + (s0 + s + i) * D, AHEAD * D, D);
+        for (int64_t i = 0; i < keys; i++) prefetch_lines(v + (s0 + s + i) * D, AHEAD * D, D);
         values_rows<decltype(rows)::value, WHOLE>(scores + r0 * stride + s, stride, keys, v + (s0 + s) * D, D,
                                                   acc + r0 * width, width);
       }

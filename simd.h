@@ -34,12 +34,12 @@ inline bool wide(int64_t isa) {
   return isa != 0 && avx512;
 }
 
-// Asks for the cache lines of n elements at p + ahead elements (into L1: _MM_HINT_T0, L2: T1), so
-// that they come from memory while the elements before them are used.
-template <int HINT, class T>
+// Asks for the cache lines of n elements at p + ahead elements, into L1, so that they come from
+// memory while the elements before them are used.
+template <class T>
 inline void prefetch_lines(const T* p, int64_t ahead, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p + ahead);
-  for (int64_t o = 0; o < n * int64_t(sizeof(T)); o += 64) _mm_prefetch(c + o, (_mm_hint)HINT);
+  for (int64_t o = 0; o < n * int64_t(sizeof(T)); o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
 }
 
 // 16 values of a vector as fp32, of which the first d are read (d <= 0: none; zeros past d).
