@@ -204,12 +204,15 @@ AVX2 inline float max8(__m256 v) {
 constexpr int CHUNK_ROWS = 4;
 constexpr int64_t VALUE_KEYS = 32;  // keys whose values stay in L1 while each group of vectors takes its turn
 
+// Keys (scores) or vectors of features (values) a tile of `rows` rows takes at a time: 8 sums or more.
+constexpr int per_row(int rows) { return rows == 1 ? 8 : rows == 2 ? 4 : 2; }
+
 // Lane-wise products of ROWS query rows (q, `width` apart) with the keys at k (D features each; n
 // of them, 8 - n past the end are the last one again): sums[8 r + i]'s lanes add up to row r's
 // score of key i (sum8x8 adds them).
 template <int ROWS, bool WHOLE, class T>
 AVX2 inline void dots8(const float* q, int64_t width, int64_t D, const T* k, int64_t n, __m256* sums) {
-  constexpr int KEYS = ROWS == 1 ? 8 : ROWS == 2 ? 4 : 2;  // keys at a time: ROWS x KEYS sums
+  constexpr int KEYS = per_row(ROWS);
   for (int i0 = 0; i0 < 8; i0 += KEYS) {
     const T* key[KEYS];
     UNROLL for (int i = 0; i < KEYS; i++) key[i] = k + std::min<int64_t>(i0 + i, n - 1) * D;
@@ -254,7 +257,7 @@ AVX2 inline void values8(const float* p, int64_t stride, int64_t n, const T* v, 
 // fit the registers beside the rows' sums and divide D / 8 (a tail of D % 8 features alone).
 template <int ROWS, bool WHOLE, class T>
 AVX2 void values_rows(const float* p, int64_t stride, int64_t n, const T* v, int64_t D, float* o, int64_t width) {
-  constexpr int MOST = ROWS == 1 ? 8 : ROWS == 2 ? 4 : 2;
+  constexpr int MOST = per_row(ROWS);
   int vecs = WHOLE ? MOST : 1;
   while ((D / 8) % vecs) vecs /= 2;
   auto pass = [&](auto V) {
@@ -277,7 +280,7 @@ AVX2 void values_rows(const float* p, int64_t stride, int64_t n, const T* v, int
 template <int VECS, bool WHOLE, class T>
 AVX2 void attend_chunk8(const float* q, int64_t R, int64_t D, const T* k, const T* v, const bool* visible,
                         int64_t S, int64_t s0, int64_t s1, float scale, float* scores, Partial& part, float* acc) {
-  const int64_t n = s1 - s0, stride = (n + 15) / 16 * 16, written = (n + 7) / 8 * 8, width = VECS * 8;
+  const int64_t n = s1 - s0, stride = (n + 7) / 8 * 8, width = VECS * 8;
   const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 top[MAX_ROWS], sums[MAX_ROWS * 8];
   for (int64_t r = 0; r < R; r++) top[r] = minus_inf;
@@ -299,7 +302,7 @@ AVX2 void attend_chunk8(const float* q, int64_t R, int64_t D, const T* k, const 
     float* row = scores + r * stride;
     part.max[r] = max8(top[r]);
     __m256 mx = _mm256_set1_ps(std::isinf(part.max[r]) ? 0.f : part.max[r]), total = _mm256_setzero_ps();
-    for (int64_t i = 0; i < written; i += 8) {
+    for (int64_t i = 0; i < stride; i += 8) {
       __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), mx));
       _mm256_storeu_ps(row + i, e);
       total = _mm256_add_ps(total, e);
@@ -307,15 +310,15 @@ AVX2 void attend_chunk8(const float* q, int64_t R, int64_t D, const T* k, const 
     part.sum[r] = sum8(total);
   }
   std::fill(acc, acc + R * width, 0.f);
-  for (int64_t r0 = 0; r0 < R; r0 += CHUNK_ROWS)  // sums of p v
-    with_rows<CHUNK_ROWS>(std::min<int64_t>(CHUNK_ROWS, R - r0), [&](auto rows) {
-      for (int64_t s = 0; s < n; s += VALUE_KEYS) {
-        const int64_t keys = std::min(VALUE_KEYS, n - s);
-        for (int64_t i = 0; i < keys; i++) prefetch_lines(v + (s0 + s + i) * D, AHEAD * D, D);
+  for (int64_t s = 0; s < n; s += VALUE_KEYS) {  // sums of p v
+    const int64_t keys = std::min(VALUE_KEYS, n - s);
+    for (int64_t i = 0; i < keys; i++) prefetch_lines(v + (s0 + s + i) * D, AHEAD * D, D);
+    for (int64_t r0 = 0; r0 < R; r0 += CHUNK_ROWS)
+      with_rows<CHUNK_ROWS>(std::min<int64_t>(CHUNK_ROWS, R - r0), [&](auto rows) {
         values_rows<decltype(rows)::value, WHOLE>(scores + r0 * stride + s, stride, keys, v + (s0 + s) * D, D,
                                                   acc + r0 * width, width);
-      }
-    });
+      });
+  }
 }
 
 template <class T>
