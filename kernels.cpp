@@ -367,79 +367,73 @@ VNNI static void tile_vnni(const QuantizedRows& x, int64_t m0, int64_t Kp, const
 // (-127..127) is at most 3810 in size, so a block's 8 k-quads add up in int16 (30480) before one
 // vpmaddwd. int8: (w + 128) x would overflow a pair, so the products are |w| times x with w's sign
 // (|w| <= 128, |x| <= 127: 32512 at most) and each k-quad widens to int32.
+// AVX2 has 16 vector registers. A tile takes a block (32 k) one 32-byte weight vector of each
+// k-quad at a time (a pass: int4's 2 x 8 columns, from its nibbles; int8's 8 columns), its rows'
+// sums in registers, and adds them, scaled, into out (in L1) at the pass's end; the 8 k-quads of
+// a pass are unrolled. The tiles that held all 32 columns' sums for 3 rows at once (and their
+// fp32 totals) left GCC 9 of the 12 sums on the stack, stored and loaded again every k-quad.
+constexpr int AVX2_INT_ROWS = 4;  // int4: 8 sums, 2 code vectors and 4 of x; int8: 4 sums, w, |w|, x's
+
 template <int ROWS, bool INT4>
 AVX2 static void tile_avx2_int(const QuantizedRows& x, int64_t m0, int64_t Kp, const uint8_t* w, const float* scales,
                                const uint16_t* sz, bool zeros, const float* xsum, int64_t group, float (*out)[BLOCK]) {
-  int64_t nb = Kp / BLOCK, groups = Kp / group;
+  int64_t nb = Kp / BLOCK, groups = Kp / group, per_group = group / BLOCK;
+  constexpr int64_t QUAD = INT4 ? 64 : 128;  // bytes of a k-quad (32 columns x 4 k)
+  constexpr int PASSES = QUAD / 32, V = INT4 ? 2 : 1;  // column vectors in a pass
   const int32_t* xq = reinterpret_cast<const int32_t*>(x.q.data()) + m0 * Kp / 4;
+  const float* d = x.d.data() + m0 * nb;
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(-128);
-  __m256 fa[ROWS][4];
-  UNROLL for (int m = 0; m < ROWS; m++)
-    UNROLL for (int j = 0; j < 4; j++) fa[m][j] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; b++) {
-    __m256i ia[ROWS][4];
-    UNROLL for (int m = 0; m < ROWS; m++)
-      UNROLL for (int j = 0; j < 4; j++) ia[m][j] = _mm256_setzero_si256();
-    for (int64_t kq = b * BLOCK / 4; kq < (b + 1) * BLOCK / 4; kq++) {
-      if constexpr (INT4) {  // vectors of columns 0-7, 8-15 (low nibbles), 16-23, 24-31 (high)
-        const uint8_t* p = w + kq * 64;
-        prefetch_ahead(p);
-        __m256i v0 = _mm256_loadu_si256((const __m256i*)p), v1 = _mm256_loadu_si256((const __m256i*)(p + 32));
-        __m256i c[4] = {_mm256_and_si256(v0, low), _mm256_and_si256(v1, low),
-                        _mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
-                        _mm256_and_si256(_mm256_srli_epi16(v1, 4), low)};
-        UNROLL for (int m = 0; m < ROWS; m++) {
-          __m256i xb = _mm256_set1_epi32(xq[m * Kp / 4 + kq]);
-          UNROLL for (int j = 0; j < 4; j++) ia[m][j] = _mm256_add_epi16(ia[m][j], _mm256_maddubs_epi16(c[j], xb));
+  Int4 f{nullptr, sz, nullptr, group, groups, zeros};
+  for (int64_t b = 0, g = 0, left = per_group; b < nb; b++) {  // left: blocks to the group's end
+    const uint8_t* wb = w + b * (BLOCK / 4) * QUAD;
+    bool ends = INT4 && --left == 0;  // a group's end: also out += (z - 8 s) sum x
+    if (ends) left = per_group;
+    for (int pass = 0; pass < PASSES; pass++) {
+      __m256i ia[ROWS][V];
+      UNROLL for (int m = 0; m < ROWS; m++)
+        UNROLL for (int j = 0; j < V; j++) ia[m][j] = _mm256_setzero_si256();
+      UNROLL for (int kq = 0; kq < BLOCK / 4; kq++) {
+        const uint8_t* p = wb + kq * QUAD;
+        if (pass == 0) {
+          prefetch_ahead(p);
+          if constexpr (!INT4) prefetch_ahead(p + 64);
         }
-      } else {
-        const uint8_t* p = w + kq * 128;
-        prefetch_ahead(p), prefetch_ahead(p + 64);
-        __m256i v[4], a[4];
-        UNROLL for (int j = 0; j < 4; j++) {
-          v[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 32 * j)), top);  // w
-          a[j] = _mm256_abs_epi8(v[j]);
-        }
-        UNROLL for (int m = 0; m < ROWS; m++) {
-          __m256i xb = _mm256_set1_epi32(xq[m * Kp / 4 + kq]);
-          UNROLL for (int j = 0; j < 4; j++) {
-            __m256i pairs = _mm256_maddubs_epi16(a[j], _mm256_sign_epi8(xb, v[j]));  // |w| (x with w's sign)
-            ia[m][j] = _mm256_add_epi32(ia[m][j], _mm256_madd_epi16(pairs, ones));
+        const int32_t* xk = xq + b * BLOCK / 4 + kq;
+        __m256i v = _mm256_loadu_si256((const __m256i*)(p + 32 * pass));
+        if constexpr (INT4) {  // columns 8 pass.. (low nibbles) and 16 + 8 pass.. (high)
+          __m256i c[2] = {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)};
+          UNROLL for (int m = 0; m < ROWS; m++) {
+            __m256i xb = _mm256_set1_epi32(xk[m * Kp / 4]);
+            UNROLL for (int j = 0; j < 2; j++) ia[m][j] = _mm256_add_epi16(ia[m][j], _mm256_maddubs_epi16(c[j], xb));
+          }
+        } else {  // columns 8 pass..
+          v = _mm256_xor_si256(v, top);  // w
+          __m256i a = _mm256_abs_epi8(v);
+          UNROLL for (int m = 0; m < ROWS; m++) {
+            __m256i xb = _mm256_set1_epi32(xk[m * Kp / 4]);
+            __m256i pairs = _mm256_maddubs_epi16(a, _mm256_sign_epi8(xb, v));  // |w| (x with w's sign)
+            ia[m][0] = _mm256_add_epi32(ia[m][0], _mm256_madd_epi16(pairs, ones));
           }
         }
       }
-    }
-    if constexpr (INT4) {  // out += d s sum q x, and at a group's end (z - 8 s) sum x
-      Int4 f{nullptr, sz, nullptr, group, groups, zeros};
-      int64_t g = b * BLOCK / group;
-      __m256 s[4];
-      UNROLL for (int j = 0; j < 4; j++) s[j] = f.scale256(g, 8 * j);
-      UNROLL for (int m = 0; m < ROWS; m++) {
-        __m256 d = _mm256_set1_ps(x.d[(m0 + m) * nb + b]);
-        UNROLL for (int j = 0; j < 4; j++) {
-          __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(ia[m][j], ones));
-          fa[m][j] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, s[j]), fa[m][j]);
-        }
-      }
-      if ((b + 1) * BLOCK % group == 0) {
-        UNROLL for (int j = 0; j < 4; j++) s[j] = f.offset256(g, 8 * j);
+      UNROLL for (int j = 0; j < V; j++) {  // out += d s sum q x (int4), d sum q x (int8)
+        int col = 8 * pass + 16 * j;
+        __m256 s = INT4 ? f.scale256(g, col) : _mm256_set1_ps(1.f), offset = ends ? f.offset256(g, col) : s;
         UNROLL for (int m = 0; m < ROWS; m++) {
-          __m256 xs = _mm256_set1_ps(xsum[(m0 + m) * groups + g]);
-          UNROLL for (int j = 0; j < 4; j++) fa[m][j] = _mm256_fmadd_ps(s[j], xs, fa[m][j]);
+          __m256i sums = INT4 ? _mm256_madd_epi16(ia[m][j], ones) : ia[m][j];
+          __m256 ds = _mm256_mul_ps(_mm256_set1_ps(d[m * nb + b]), s);
+          __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), ds, _mm256_loadu_ps(out[m] + col));
+          if (ends) y = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum[(m0 + m) * groups + g]), y);
+          _mm256_storeu_ps(out[m] + col, y);
         }
       }
-    } else {
-      UNROLL for (int m = 0; m < ROWS; m++) {
-        __m256 d = _mm256_set1_ps(x.d[(m0 + m) * nb + b]);
-        UNROLL for (int j = 0; j < 4; j++) fa[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][j]), d, fa[m][j]);
-      }
     }
+    g += ends;
   }
-  if constexpr (INT4) {
+  if constexpr (!INT4) {  // int8: one scale per column
     UNROLL for (int m = 0; m < ROWS; m++)
-      UNROLL for (int j = 0; j < 4; j++) _mm256_storeu_ps(out[m] + 8 * j, fa[m][j]);
-  } else {
-    add_group<ROWS, 4>(Int8{nullptr, scales, Kp}, 0, 0, fa, out);
+      UNROLL for (int j = 0; j < 4; j++)
+        _mm256_storeu_ps(out[m] + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(out[m] + 8 * j), _mm256_loadu_ps(scales + 8 * j)));
   }
 }
 
@@ -577,7 +571,6 @@ constexpr int64_t ISA_AVX2 = 0, ISA_AVX512 = 1, ISA_AVX512VNNI = 2;
 static bool integer_products(int64_t isa) { return isa == ISA_AVX512VNNI || isa == ISA_AVX2; }
 // Rows of an AVX2 integer tile: 12 integer sums in registers (the fp32 ones, touched once a block,
 // may spill); 2 and 4 ran within this VM's noise of it on Zen 3.
-constexpr int AVX2_INT_ROWS = 3;
 static const char* isa_name(int64_t isa) {
   return isa == ISA_AVX2 ? "avx2" : isa == ISA_AVX512 ? "avx512" : isa == ISA_AVX512VNNI ? "avx512vnni" : "?";
 }

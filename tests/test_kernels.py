@@ -68,7 +68,7 @@ def rounded_activations(x, isa):
     return (torch.round(blocks * inv).double() * (amax.double() / 127)).flatten(-2)[..., :K]
 
 
-# Around the tiles: AVX2 int8 / int4 3 rows (fp32: 2 for decode, else 6), VNNI 4, AVX-512 FMA 8.
+# Around the tiles: AVX2 int8 / int4 4 rows (fp32: 2 for decode, else 6), VNNI 4, AVX-512 FMA 8.
 ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17)
 
 
