@@ -24,6 +24,7 @@
 #include <type_traits>
 
 constexpr int64_t BLOCK = 32;
+constexpr int64_t PROMPT_K = 32;  // k a chunk of a prompt's AVX2 fp32 tiles (prompt_avx2)
 #define AVX512 __attribute__((target("avx512f")))
 #define AVX2 __attribute__((target("avx2,fma")))
 // On the loops over a tile's rows and vectors: unrolled completely from the start, GCC keeps the
@@ -56,8 +57,12 @@ struct F32 {
     prefetch_ahead(w + k * BLOCK), prefetch_ahead(w + k * BLOCK + 16);
     a = _mm512_loadu_ps(w + k * BLOCK), b = _mm512_loadu_ps(w + k * BLOCK + 16);
   }
+  // A prompt's AVX2 tiles (prompt_avx2) go over a block 32 k (4 KB) at a time, every 6 rows in
+  // turn: the first tile asks for the next 4 KB into L1, which then has the whole chunk's work to
+  // arrive in; 2 KB ahead into L2, half a chunk, left the second half waiting on memory (README).
   AVX2 void get(int64_t k, int64_t half, __m256& a, __m256& b) const {
-    prefetch_ahead(w + k * BLOCK), prefetch_ahead(w + k * BLOCK + 16);
+    _mm_prefetch((const char*)(w + (k + PROMPT_K) * BLOCK), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + (k + PROMPT_K) * BLOCK + 16), _MM_HINT_T0);
     a = _mm256_loadu_ps(w + k * BLOCK + half), b = _mm256_loadu_ps(w + k * BLOCK + half + 8);
   }
   AVX2 void get(int64_t k, __m256 (&v)[4]) const {  // the whole block row (one or two rows of x)
@@ -191,7 +196,7 @@ AVX2 static void tile_avx2(const float* x, int64_t K, int64_t k0, int64_t k1, in
 // comes from memory once for all the rows; a tile at a time over the whole of k read it again from
 // L2 for every 6 rows (from L3 where a block outgrew L2). Chunks of 32 k ran faster than 16, 24,
 // 48 or 64 at 16 rows (README, How it works).
-constexpr int64_t PROMPT_ROWS = 30, PROMPT_K = 32;
+constexpr int64_t PROMPT_ROWS = 30;
 
 AVX2 static void prompt_avx2(const float* x, int64_t K, int64_t rows, const F32& w, float (*out)[BLOCK]) {
   for (int64_t k0 = 0; k0 < K; k0 += PROMPT_K) {
