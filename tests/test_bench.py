@@ -70,6 +70,7 @@ def test_a_capped_run_says_so(monkeypatch):
                                   "ONEDNN_MAX_CPU_ISA=AVX2)")
 
 
+@pytest.mark.slow  # ~25 s: three precisions, the transformers peer and the profiler
 def test_roofline_smoke(tmp_path, capsys):
     """scripts/roofline.py on the CPU: random weights of a config's shape, each precision, the peer,
     the profile; the bytes a step reads counted by brisk and by transformers' own parameters agree."""

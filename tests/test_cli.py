@@ -44,6 +44,7 @@ def test_generate_works(checkpoint):
     assert "Average tokens/sec" in r.stderr and "Average tokens/sec" not in r.stdout
 
 
+@pytest.mark.slow  # ~37 s, a whole compile; the bf16 cache's attention is in test_kernels.py
 def test_bf16_kv_cache_compiled(checkpoint):
     """--kv_cache_dtype bfloat16 through the compiled decode step (fp32 activations over a bf16 cache)."""
     r = run(["generate.py", "--checkpoint_path", str(checkpoint), "--prompt", "The quick", "--max_new_tokens", "8",
