@@ -124,6 +124,8 @@ def int8_matmul(x: Tensor, weight: Tensor, scales: Tensor, kernel: str) -> Tenso
     """x [M, K] @ (weight * scales).T -> [M, N] in x's dtype."""
     if kernel == "cpu":
         return torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE).contiguous(), weight, scales).to(x.dtype)
+    if kernel == "gemv" and x.shape[0] == 1:  # gemv.use_gemv (a GPU): its Triton kernel, one row
+        return torch.ops.brisk.gemv(x.contiguous(), weight, scales)
     # gpt-fast's form: torch.compile fuses the cast into the matmul on CUDA.
     return F.linear(x, weight.to(x.dtype)) * scales.to(x.dtype)
 

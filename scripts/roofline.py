@@ -165,6 +165,52 @@ def profile_steps(model, prompt, decode_fn, device: str, steps: int) -> dict:
                                   mean_us=sum(t) / len(t)) for n, t in top])
 
 
+def product_rows(config: ModelArgs, device: str, precisions: list) -> list:
+    """Each distinct one-row product of the decode step ([1, K] @ [N, K].T), alone, three ways:
+    ATen's (cuBLAS; int8 cast to bf16 first), inductor's as a compiled step makes it (its reduction
+    kernel, the int8 cast fused in) and gemv.py's Triton kernel; GB/s of the weights read, each
+    checked against ATen's result. triton.testing.do_bench clears the L2 cache between calls, as
+    a step's other layers do."""
+    import torch._inductor.config as inductor_config
+    import triton.testing
+    from torch.nn import functional as F
+
+    import gemv
+    import quantized
+    gemv.register()
+    with torch.device("meta"):
+        shapes = sorted({tuple(m.weight.shape) for m in Transformer(config).modules() if isinstance(m, torch.nn.Linear)})
+    g = torch.Generator(device).manual_seed(0)
+    rows = []
+    for precision in [p for p in ("bf16", "int8") if p in precisions]:
+        for N, K in shapes:
+            x = torch.randn(1, K, generator=g, device=device, dtype=torch.bfloat16)
+            if precision == "int8":
+                w = torch.randint(-127, 128, (N, K), generator=g, device=device, dtype=torch.int8)
+                scales = torch.rand(N, generator=g, device=device, dtype=torch.bfloat16) + 0.5
+
+                def aten(x, w=w, scales=scales):
+                    return quantized.int8_matmul(x, w, scales, "fused")
+            else:
+                w, scales = torch.randn(N, K, generator=g, device=device, dtype=torch.bfloat16), None
+
+                def aten(x, w=w):
+                    return F.linear(x, w)
+            with inductor_config.patch(coordinate_descent_tuning=True):  # as compile_step on CUDA
+                compiled = torch.compile(aten, fullgraph=True)
+                compiled(x)
+            expected = aten(x).float()
+            nbytes = w.numel() * w.element_size() + (0 if scales is None else scales.numel() * 2)
+            row = dict(precision=precision, N=N, K=K, mb=nbytes / 1e6)
+            for name, fn in (("aten", aten), ("inductor", compiled), ("gemv", lambda x: gemv.gemv(x, w, scales))):
+                err = ((fn(x).float() - expected).abs().max() / expected.abs().max()).item()
+                ms = triton.testing.do_bench(lambda: fn(x), warmup=25, rep=200)
+                row[f"{name}_us"], row[f"{name}_gbps"], row[f"{name}_rel_error"] = ms * 1e3, nbytes / ms / 1e6, err
+            rows.append(row)
+            torch._dynamo.reset()
+    return rows
+
+
 def peer_transformers(config: ModelArgs, device: str, dtype: torch.dtype, prompt_tokens: int, new_tokens: int) -> dict:
     """transformers' LLaMA of the same shape, random weights, static cache + torch.compile (bench.py's recipe)."""
     import transformers
@@ -224,6 +270,12 @@ def main(argv=None):
     p.add_argument("--roofline_gb", type=float, default=4.0, help="size of the streaming read (beyond the caches)")
     p.add_argument("--peer", action="store_true", help="also transformers (static cache + compile) at 16-bit")
     p.add_argument("--profile", action="store_true", help="host vs device time per decode step, top kernels")
+    p.add_argument("--gemv", default="inductor",
+                   help="comma-separated, a row each: inductor (its own one-row products, the default) and/or "
+                        "triton (gemv.py's kernel for every one-row product: 16-bit and int8 weights)")
+    p.add_argument("--products", action="store_true",
+                   help="also time each distinct one-row product of the step alone (bf16 / int8 rows of "
+                        "--precisions): ATen, inductor and gemv.py, GB/s of weights read (CUDA)")
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON (after each row)")
     args = p.parse_args(argv)
     with error_boundary():
@@ -231,12 +283,17 @@ def main(argv=None):
         for name in precisions:
             if name not in (*DTYPES, *QUANTIZED):
                 raise ValueError(f"--precisions: unknown {name!r}; use fp32, bf16, fp16, int8, int4 or int4-sym")
+        args.gemv = args.gemv.split(",")
+        if not set(args.gemv) <= {"inductor", "triton"}:
+            raise ValueError(f"--gemv: use inductor, triton or both (comma-separated), got {','.join(args.gemv)!r}")
         if args.new_tokens < 4:
             raise ValueError("--new_tokens must be at least 4 (the rates compare two lengths)")
         if args.out:
             check_output_file(args.out, "--out")
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         device = load.check_device(device)
+        if (args.products or "triton" in args.gemv) and not device.startswith("cuda"):
+            raise ValueError("--products and --gemv triton measure GPU kernels: run them on a CUDA device")
         config = model_config(args.model, args.vocab_size)
         run(args, config, device, precisions)
 
@@ -254,13 +311,23 @@ def run(args, config: ModelArgs, device: str, precisions: list):
         if args.out:
             load.atomic_write_text(args.out, json.dumps(report, indent=1))
     peers = ("transformers",) if args.peer else ()
-    rows = [(p, s) for p in precisions for s in ("brisk", *peers) if s == "brisk" or p in DTYPES]
-    for precision, system in rows:
-        row = dict(system=system, precision=precision)
+    if args.products:
+        report["products"] = []
+        for row in product_rows(config, device, precisions):
+            report["products"].append(row)
+            save()
+            log(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
+    rows = [(p, s, g) for p in precisions for s in ("brisk", *peers) if s == "brisk" or p in DTYPES
+            for g in (args.gemv if s == "brisk" else [None])]
+    for precision, system, gemv_kind in rows:
+        row = dict(system=system, precision=precision, **(dict(gemv=gemv_kind) if gemv_kind else {}))
         try:
             t0 = time.perf_counter()
             if system == "brisk":
                 model = random_model(config, device, precision, DTYPES[args.activations], args.groupsize)
+                if gemv_kind == "triton":
+                    import gemv
+                    gemv.use_gemv(model)
                 row["build_s"] = time.perf_counter() - t0
                 row["bytes_per_step"] = load.step_bytes(model)
                 try:

@@ -158,8 +158,11 @@ def test_quantize_flag(ckpt, argv, needle, capsys):
     (roofline.main, ["--new_tokens", "2"], "--new_tokens"),
     (roofline.main, ["--model", "llama-9b"], "llama-9b"),
     (roofline.main, ["--device", "tpu"], "tpu"),
+    (roofline.main, ["--gemv", "cublas"], "--gemv"),
+    (roofline.main, ["--device", "cpu", "--products"], "CUDA"),
 ], ids=["profile new_tokens 0", "profile prompt_tokens -3", "bench rounds 0", "bench threads -1", "gguf dtype int8",
-        "roofline precision", "roofline new_tokens 2", "roofline model", "roofline device"])
+        "roofline precision", "roofline new_tokens 2", "roofline model", "roofline device",
+        "roofline gemv", "roofline products on cpu"])
 def test_script_flag(tmp_path, main, argv, needle, capsys):
     code, _, err = call(main, argv, capsys, tmp_path)
     assert_clean_error(code, err, needle)
