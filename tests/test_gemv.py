@@ -117,3 +117,23 @@ def test_model_steps_equal_with_gemv(gemv):
     assert sum(isinstance(m, gemv.GemvLinear) for m in swapped.modules()) == 2 * 5 + 1
     assert not any(type(m) is torch.nn.Linear for m in swapped.modules())
     torch.testing.assert_close(logits(swapped), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a compiled step with CUDA graphs (the interpreter's CPU step is eager)")
+def test_compiled_generation_with_gemv_equals_eager(gemv, tmp_path):
+    """Greedy tokens of the compiled decode step (a CUDA graph calling gemv's op) equal eager ones
+    with gemv, fp32 weights and int8 ones (fp32 throughout, as test_accelerator's compiled == eager:
+    16-bit rounding would let the fused kernels around the products pick other tokens)."""
+    import quantize
+    from compiling import compile_step
+    from decode import decode_one_token, generate
+    from load import load_model
+    from test_quantize import MODELS, save_random_model
+    path = save_random_model(tmp_path, **MODELS["llama"])
+    prompt = torch.tensor([5, 17, 99, 3, 42, 7], device=DEVICE)
+    for checkpoint in (path, quantize.quantize_checkpoint(path, "int8", None)):
+        model = gemv.use_gemv(load_model(checkpoint, DEVICE, torch.float32))
+        assert any(isinstance(m, gemv.GemvLinear) or getattr(m, "kernel", None) == "gemv" for m in model.modules())
+        decode_fn = compile_step(decode_one_token, DEVICE)
+        eager = generate(model, prompt, 16)
+        assert generate(model, prompt, 16, decode_fn=decode_fn).tolist() == eager.tolist(), checkpoint
