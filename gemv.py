@@ -12,6 +12,7 @@ Requires triton (it comes with PyTorch's CUDA builds). Without a GPU the kernel 
 interpreter (`TRITON_INTERPRET=1`), as the tests do.
 """
 import functools
+import inspect
 import os
 from typing import Optional
 
@@ -87,9 +88,11 @@ def register():
     A custom op that torch.compile keeps whole: the step calls it as it calls any ATen kernel, and
     its autotuning runs at its first call, in a CUDA-graph step's warm-up runs before the capture.
     """
+    # A second run reads the timings from Triton's cache, where this triton keeps them (3.3 on).
+    cached = dict(cache_results=True) if "cache_results" in inspect.signature(triton.autotune).parameters else {}
     tuned = triton.autotune(
         configs=[triton.Config(dict(BLOCK_N=n, BLOCK_K=k), num_warps=w, num_stages=s) for n, k, w, s in CONFIGS],
-        key=["N", "K"], cache_results=True,  # a second run reads the timings from Triton's cache
+        key=["N", "K"], **cached,
         # The interpreter (TRITON_INTERPRET=1, no GPU) has no device to time the configs on: one will do.
         prune_configs_by=dict(early_config_prune=lambda configs, *_, **__: configs[:1] if interpreting() else configs),
     )(triton.heuristics(dict(EVEN_K=lambda a: a["K"] % a["BLOCK_K"] == 0))(gemv_kernel))
