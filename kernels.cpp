@@ -435,7 +435,7 @@ AVX2 static void tile_avx2_int(const QuantizedRows& x, int64_t m0, int64_t Kp, c
     }
     g += ends;
   }
-  if constexpr (!INT4) {  // int8: one scale per column
+  if constexpr (!INT4) {  // int8: one scale per column, on sums that began at zero (run clears out)
     UNROLL for (int m = 0; m < ROWS; m++)
       UNROLL for (int j = 0; j < 4; j++)
         _mm256_storeu_ps(out[m] + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(out[m] + 8 * j), _mm256_loadu_ps(scales + 8 * j)));
@@ -574,8 +574,6 @@ AMX static void tile_amx_bf16(const uint32_t* x, int64_t K2, const uint32_t* w, 
 constexpr int64_t ISA_AVX2 = 0, ISA_AVX512 = 1, ISA_AVX512VNNI = 2;
 // Where int8 / int4 are integer products, on their layout (kernels.INTEGER_ISAS).
 static bool integer_products(int64_t isa) { return isa == ISA_AVX512VNNI || isa == ISA_AVX2; }
-// Rows of an AVX2 integer tile: 12 integer sums in registers (the fp32 ones, touched once a block,
-// may spill); 2 and 4 ran within this VM's noise of it on Zen 3.
 static const char* isa_name(int64_t isa) {
   return isa == ISA_AVX2 ? "avx2" : isa == ISA_AVX512 ? "avx512" : isa == ISA_AVX512VNNI ? "avx512vnni" : "?";
 }
