@@ -3,7 +3,6 @@ F.linear path: on a GPU where there is one, else in Triton's interpreter (TRITON
 the CPU. Skipped where triton is not installed: it comes with PyTorch's CUDA builds, and
 `pip install triton` adds it to a CPU one (not in requirements-dev.txt: with triton installed,
 every torch.compile on the CPU imports it, ~80 MB more resident memory in the benchmark's runs)."""
-import importlib
 import os
 import subprocess
 import sys
@@ -35,9 +34,9 @@ def test_in_triton_interpreter():
 def gemv():
     if CHILD:
         pytest.skip("run by test_in_triton_interpreter")
-    module = importlib.import_module("gemv")
-    module.register()
-    return module
+    import gemv
+    gemv.register()
+    return gemv
 
 
 def reference(x, weight, scales=None):
