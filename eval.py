@@ -289,8 +289,8 @@ def main(checkpoint_path: Path, tasks: Optional[list], perplexity: Optional[Path
     t0 = time.perf_counter()
     # Under torchrun every rank loads its shard and runs every request (lm_eval sees one process);
     # only rank 0 prints (cli) and writes --output_json.
+    tokenizer = load_tokenizer(Path(checkpoint_path).parent)  # a missing one fails before seconds of loading
     model = load_packed(checkpoint_path, device, dtype, tp=dist)
-    tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     check_vocab(tokenizer, model.config.vocab_size, Path(checkpoint_path).parent)
     if apply_chat_template:
         tokenizer.compiled_chat_template()  # before the first request, not after the model ran

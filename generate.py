@@ -206,10 +206,10 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
     dtype = PRECISIONS[precision] if precision else default_precision(device)
     torch.manual_seed(seed)
 
+    tokenizer = load_tokenizer(Path(checkpoint_path).parent)  # a missing one fails before seconds of loading
     t0 = time.perf_counter()
     model = load_packed(checkpoint_path, device, dtype, tp=dist)
     model.kv_cache_dtype = PRECISIONS[kv_cache_dtype] if kv_cache_dtype else None
-    tokenizer = load_tokenizer(Path(checkpoint_path).parent)
     check_vocab(tokenizer, model.config.vocab_size, Path(checkpoint_path).parent)
     device_sync(device)
     # Weight bytes rather than a parameter count: quantized layers keep their weights in buffers.

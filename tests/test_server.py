@@ -379,6 +379,20 @@ def test_taken_port_is_a_one_line_error(checkpoint):
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr
 
 
+
+@pytest.mark.parametrize("problem", ["no tokenizer", "wrong tokenizer"])
+def test_bad_checkpoint_is_a_one_line_error(tmp_path, problem):
+    """A checkpoint without its tokenizer, or beside one that cannot be its own (1024 rows for 400
+    tokens), stops the server at start with the reason, not at the first request."""
+    save_tokenizer(tmp_path / "hf")
+    path = save_and_convert(make_hf_model("llama2", vocab_size=1024, num_hidden_layers=1), tmp_path)
+    if problem == "no tokenizer":
+        (tmp_path / "tokenizer.json").unlink()
+    done = subprocess.run([sys.executable, "server.py", "--checkpoint_path", str(path), "--port", str(free_port())],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert f"error: {problem}" in done.stderr
+
 @pytest.mark.slow
 def test_tensor_parallel_server(checkpoint, reference):
     """Under torchrun rank 0 serves and rank 1 follows its schedule: the single-process answers."""
