@@ -12,6 +12,7 @@ quantized.py's modules); nothing here knows their classes.
 import contextlib
 import functools
 import hashlib
+import warnings
 import weakref
 from typing import Callable, Optional
 
@@ -227,7 +228,9 @@ def export_and_package(fn: Callable, model, args: tuple, kwargs: dict, path, dyn
     rows = [{0: torch.export.Dim.DYNAMIC} if dynamic_rows else None for _ in at]
     with buffers_as_parameters(model, names):
         program = torch.export.export(Step(), examples, dynamic_shapes=(rows, dims), strict=False)
-    with open(path, "wb") as f:  # a file object: the package's own name must end in .pt2
+    with open(path, "wb") as f, warnings.catch_warnings():  # a file object: the package's name must end in .pt2
+        # torch's own deepcopy of the graph trips its own deprecation of LeafSpec: nothing a user can act on.
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         torch._inductor.aoti_compile_and_package(program, package_path=f, inductor_configs={
             "aot_inductor.package_constants_in_so": False,  # the weights are the model's, read in place
             # The wrapper only calls the kernels, in order: optimising it and its debug line tables
