@@ -166,6 +166,8 @@ class Engine:
         self.prefill_fn = compile_prefill(prefill_step, self.device.type) if compile else prefill_step
         self.slots: list = [None] * max_batch_size  # slot -> _Sequence or None
         self.kept: list = [[] for _ in range(max_batch_size)]  # free slot -> the tokens its cache row holds
+        self.freed_at: list = [0] * max_batch_size  # slot -> when it was last freed (0: never used)
+        self.frees = 0
         self.waiting: deque = deque()
         self.live: dict = {}  # request id -> _Sequence, waiting or in a slot
         self.inbox: list = []  # ("add", id, request, seed) / ("abort", id) events from any thread
@@ -295,6 +297,8 @@ class Engine:
         s = self.slots[i]
         self.kept[i] = (s.prompt + s.generated)[:s.cached]  # the last token sampled is not in the cache
         self.slots[i] = None
+        self.frees += 1
+        self.freed_at[i] = self.frees
 
     def _admit(self):
         for i, seq in enumerate(self.slots):
@@ -304,7 +308,9 @@ class Engine:
             seq = self.waiting.popleft()
             free = [i for i, s in enumerate(self.slots) if s is None]
             shared = [common_prefix(self.kept[i], seq.prompt) for i in free]
-            best = max(range(len(free)), key=shared.__getitem__)  # the first of the longest
+            # The longest shared prefix; among equals (an unrelated prompt: none) the slot unused
+            # longest, as llama.cpp's server picks, so the prefixes used last stay for their next turn.
+            best = max(range(len(free)), key=lambda j: (shared[j], -self.freed_at[free[j]]))
             # At least the prompt's last token is computed again: its logits give the first token.
             seq.reused = min(shared[best], len(seq.prompt) - 1)
             seq.advance(seq.reused)

@@ -81,6 +81,23 @@ def test_prompt_cache(tiny, prefill_chunk):
     assert [r.token_ids for r in results] == [alone(model, p, 12) for p in later]
 
 
+def test_prompt_cache_evicts_the_slot_unused_longest(tiny):
+    """A prompt that shares nothing goes to a slot never used, then to the one unused longest: the
+    conversations served last keep their prefixes (three slots, four unrelated prompts, then the
+    second and the first again)."""
+    model = tiny("llama31")
+    a, b, c, d = prompts((25, 30, 12, 18), seed=5)
+    engine = Engine(model, IdTokenizer(), max_batch_size=3, max_seq_length=340)
+    cached = []
+    for p in (a, b, c, d, b, a):
+        seen = []
+        result, = engine.generate([Request(p, 5, on_output=lambda out: seen.append(out.cached_tokens))])
+        assert result.token_ids == alone(model, p, 5)
+        cached.append(seen[0])
+    # d took a's slot (the one unused longest); b's prefix survived both c and d.
+    assert cached == [0, 0, 0, 0, len(b) - 1, 0]
+
+
 @pytest.mark.parametrize("max_batch_size,prefill_chunk", [(8, 512), (3, 512), (4, 48), (1, 64)])
 def test_greedy_batch_equals_alone(tiny, max_batch_size, prefill_chunk):
     """8 prompts of 1 to 300 tokens with different max tokens: every answer is what it is alone,
