@@ -53,6 +53,7 @@ class Request:
     stop: Sequence[str] = ()  # stop strings: the text ends before the first one
     eos_ids: Optional[Sequence[int]] = None  # None: the tokenizer's
     logprobs: Optional[int] = None  # None: none; n >= 0: each token's log-probability and the n most likely
+    prompt_logprobs: Optional[int] = None  # the same for each prompt token after the first (scoring a text)
     on_output: Optional[Callable[["Output"], None]] = None  # called from the engine's thread
 
 
@@ -62,7 +63,9 @@ class Output:
     request_id: int
     text: str
     token_ids: list
-    logprobs: list = field(default_factory=list)  # per new token: (logprob, [(token id, logprob), ...])
+    # Per new token, the EOS that ended the request included: (token id, logprob, [(token id, logprob), ...]).
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)  # the same per prompt token after the first, in the first Output
     finish_reason: Optional[str] = None  # "stop" (EOS or stop string), "length", "abort"
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of the prompt's, found in the slot's cache (not prefilled)
@@ -75,6 +78,7 @@ class Result:
     token_ids: list
     finish_reason: str
     logprobs: list
+    prompt_logprobs: list = field(default_factory=list)
 
 
 class _Sequence:
@@ -92,6 +96,11 @@ class _Sequence:
         self.text = IncrementalText()  # of generated
         self.text_sent = 0  # characters of text already emitted
         self.finish_reason: Optional[str] = None
+        self.prompt_logprobs: list = []  # scored so far, not yet sent
+
+    def take_prompt_logprobs(self) -> list:
+        taken, self.prompt_logprobs = self.prompt_logprobs, []
+        return taken
 
     @property
     def prefilling(self) -> bool:
@@ -114,6 +123,10 @@ def check_request(request: Request, max_seq_length: int, vocab_size: int):
                          f"exceeds the context of {max_seq_length} tokens; shorten the prompt or lower max_new_tokens")
     if not all(0 <= t < vocab_size for t in request.prompt):
         raise ValueError(f"the prompt holds token ids outside the vocabulary (0..{vocab_size - 1})")
+    for name in ("logprobs", "prompt_logprobs"):
+        n = getattr(request, name)
+        if n is not None and not 0 <= n <= vocab_size:
+            raise ValueError(f"{name} must be between 0 and the vocabulary's {vocab_size}, got {n}")
     check_sampling(request.temperature, request.top_k, request.top_p)
 
 
@@ -134,6 +147,16 @@ def prefill_step(model: Transformer, x: Tensor, input_pos: Tensor, cache_rows: T
     for t in (input_pos, cache_rows, logits_at):
         torch._check(t.shape[0] == x.shape[0])
     return model(x, input_pos, from_start=from_start, cache_rows=cache_rows, logits_at=logits_at, kv_len=kv_len)[:, -1]
+
+
+def ranked(logits: Tensor, tokens: Sequence[int], n: int) -> list:
+    """logits [T, V] at the positions before tokens (at most T of them) -> per token, (the token,
+    its log-probability, the n most likely [(token id, log-probability), ...])."""
+    lp = torch.log_softmax(logits[:len(tokens)].float(), dim=-1)
+    picked = lp[torch.arange(len(tokens), device=lp.device), torch.tensor(tokens, device=lp.device)].tolist()
+    top = torch.topk(lp, n) if n else None
+    return [(t, v, list(zip(top.indices[i].tolist(), top.values[i].tolist())) if n else [])
+            for i, (t, v) in enumerate(zip(tokens, picked))]
 
 
 def kv_bucket(positions_in_use: int, max_seq_length: int) -> Optional[int]:
@@ -221,6 +244,7 @@ class Engine:
                 r.text += out.text
                 r.token_ids += out.token_ids
                 r.logprobs += out.logprobs
+                r.prompt_logprobs += out.prompt_logprobs
                 if out.finish_reason:
                     r.finish_reason = out.finish_reason
                     if on_finish is not None:
@@ -312,7 +336,8 @@ class Engine:
             # longest, as llama.cpp's server picks, so the prefixes used last stay for their next turn.
             best = max(range(len(free)), key=lambda j: (shared[j], -self.freed_at[free[j]]))
             # At least the prompt's last token is computed again: its logits give the first token.
-            seq.reused = min(shared[best], len(seq.prompt) - 1)
+            # A prompt to score is computed whole: a cached position has no logits.
+            seq.reused = 0 if seq.request.prompt_logprobs is not None else min(shared[best], len(seq.prompt) - 1)
             seq.advance(seq.reused)
             self.slots[free[best]] = seq
 
@@ -320,6 +345,9 @@ class Engine:
         todo = [(i, s) for i, s in enumerate(self.slots) if s is not None and s.prefilling and s.finish_reason is None]
         if not todo:
             return
+        # A prompt to score goes alone, through the model eagerly: its every position's logits.
+        scoring = [(i, s) for i, s in todo if s.request.prompt_logprobs is not None][:1]
+        todo = scoring or todo
         # Prompts whose rest fits the chunk together: one right-padded forward, each row from its
         # own position (causal attention never looks right, so the padding is invisible to each
         # row's real tokens; the padding's positions must exist in the cache).
@@ -344,8 +372,15 @@ class Engine:
         # compiled step always reads it: one graph for first chunks, later chunks and the rests of
         # cached prefixes alike (longest > 1 here: one-token rests decode).
         from_start = self.prefill_fn is prefill_step and max(starts) == 0
-        logits = self.prefill_fn(self.model, *(t.to(self.device) for t in (x, input_pos, rows, logits_at)),
-                                 max(starts) + longest, from_start)
+        if scoring:
+            (_, s), start, end = group[0], starts[0], ends[0]
+            every = self.model(x.to(self.device), input_pos.to(self.device), from_start=start == 0,
+                               cache_rows=rows.to(self.device), kv_len=start + longest)[0]  # [T, V]
+            s.prompt_logprobs += ranked(every[:end - start], s.prompt[start + 1:end + 1], s.request.prompt_logprobs)
+            logits = every[end - start - 1][None]
+        else:
+            logits = self.prefill_fn(self.model, *(t.to(self.device) for t in (x, input_pos, rows, logits_at)),
+                                     max(starts) + longest, from_start)
         done = [row for row, ((_, s), end) in enumerate(zip(group, ends)) if end == len(s.prompt)]
         for (_, s), end in zip(group, ends):
             s.advance(end)
@@ -390,19 +425,13 @@ class Engine:
         reqs = [s.request for s in seqs]
         tokens = sample_rows(logits, [r.temperature for r in reqs], [r.top_k for r in reqs], [r.top_p for r in reqs],
                              [s.generator for s in seqs])
-        want = [row for row, r in enumerate(reqs) if r.logprobs is not None]
-        logprobs = torch.log_softmax(logits[want].float(), dim=-1) if want else None
-        for row, (s, t) in enumerate(zip(seqs, tokens)):
-            lp = []
-            if s.request.logprobs is not None:
-                row_lp = logprobs[want.index(row)]
-                top = torch.topk(row_lp, s.request.logprobs) if s.request.logprobs else None
-                lp = [(float(row_lp[t]), list(zip(top.indices.tolist(), top.values.tolist())) if top else [])]
+        for s, t, row in zip(seqs, tokens, logits):
+            lp = ranked(row[None], [t], s.request.logprobs) if s.request.logprobs is not None else []
             self._append(s, t, lp, outputs)
 
     def _append(self, s: _Sequence, token: int, logprobs: list, outputs: list):
-        if token in s.eos:
-            return self._finish(s, "stop", outputs)
+        if token in s.eos:  # not text, nor counted: scored, if asked (it is the continuation's probability too)
+            return self._finish(s, "stop", outputs, logprobs=logprobs)
         s.generated.append(token)
         s.next_token = token
         text = s.text.of(self.tokenizer, s.generated)
@@ -414,8 +443,8 @@ class Engine:
             return self._finish(s, "length", outputs, text, token, logprobs)
         # Hold back what may still change: an incomplete UTF-8 sequence, or the start of a stop string.
         safe = len(text) - held_back(text, s.request.stop)
-        outputs.append(Output(s.id, text[s.text_sent:safe], [token], logprobs, None, len(s.prompt),
-                              s.reused, len(s.generated)))
+        outputs.append(Output(s.id, text[s.text_sent:safe], [token], logprobs, s.take_prompt_logprobs(), None,
+                              len(s.prompt), s.reused, len(s.generated)))
         s.text_sent = max(s.text_sent, safe)
 
     def _finish(self, s: _Sequence, reason: str, outputs: list, text: Optional[str] = None,
@@ -426,8 +455,8 @@ class Engine:
                 cut = min((i for i in (text.find(stop) for stop in s.request.stop) if i >= 0), default=len(text))
                 text = text[:cut]
         s.finish_reason = reason
-        outputs.append(Output(s.id, text[s.text_sent:], [] if token is None else [token], list(logprobs), reason,
-                              len(s.prompt), s.reused, len(s.generated)))
+        outputs.append(Output(s.id, text[s.text_sent:], [] if token is None else [token], list(logprobs),
+                              s.take_prompt_logprobs(), reason, len(s.prompt), s.reused, len(s.generated)))
         s.text_sent = len(text)
 
 

@@ -181,8 +181,10 @@ class Server:
         self.itl = Histogram("brisk_inter_token_latency_seconds", "time between a request's tokens",
                              buckets=buckets, registry=r)
 
-    def submit(self, prompts: list, params: dict, max_tokens: Optional[int], logprobs: Optional[int]) -> tuple:
-        """n engine requests per prompt -> (their ids, one asyncio queue receiving (choice, Output))."""
+    def submit(self, prompts: list, params: dict, max_tokens: Optional[int], logprobs: Optional[int],
+               score_prompt: bool = False) -> tuple:
+        """n engine requests per prompt -> (their ids, one asyncio queue receiving (choice, Output)).
+        score_prompt: the prompt's tokens get logprobs too (completions' echo)."""
         limit = self.engine.max_seq_length
         for p in prompts:
             budget = limit - len(p)
@@ -214,7 +216,8 @@ class Server:
                 seed = params["seed"] + j if params["seed"] is not None else None
                 request = Request(p, max_tokens or limit - len(p), temperature=params["temperature"],
                                   top_k=params["top_k"], top_p=params["top_p"], seed=seed, stop=params["stop"],
-                                  logprobs=logprobs, on_output=on_output)
+                                  logprobs=logprobs, prompt_logprobs=logprobs if score_prompt else None,
+                                  on_output=on_output)
                 try:
                     ids.append(self.engine.add(request))
                 except ValueError as e:
@@ -271,18 +274,26 @@ def make_app(server: Server):
 
     def chat_logprobs(out) -> list:
         entries = []
-        for token, (lp, top) in zip(out.token_ids, out.logprobs):
+        for token, lp, top in out.logprobs:
             text = token_text(token)
             entries.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
                             "top_logprobs": [{"token": token_text(t), "logprob": v, "bytes": list(token_text(t).encode())}
                                              for t, v in top]})
         return entries
 
-    def completion_logprobs(out, offset: int) -> dict:
-        tokens = [token_text(t) for t in out.token_ids]
+    def top_by_text(top: list) -> dict:
+        """OpenAI's legacy {text: logprob}: where two tokens read the same (byte pieces of one character),
+        the likelier one's (top comes most likely first)."""
+        by_text = {}
+        for t, v in top:
+            by_text.setdefault(token_text(t), v)
+        return by_text
+
+    def completion_logprobs(entries: list, offset: int) -> dict:
+        tokens = [token_text(t) for t, _, _ in entries]
         offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in out.logprobs],
-                "top_logprobs": [{token_text(t): v for t, v in top} for _, top in out.logprobs],
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [None if top is None else top_by_text(top) for _, _, top in entries],
                 "text_offset": offsets}
 
     def usage(prompt_tokens: int, completion_tokens: int, cached: list) -> dict:
@@ -344,7 +355,7 @@ def make_app(server: Server):
                     raise APIError(400, f"'{name}' must be at least 1, got {value}", param=name)
             if server.stop.is_set():
                 raise APIError(503, "the server is shutting down", kind="server_error")
-            ids, queue = server.submit(prompts, params, max_tokens, logprobs)
+            ids, queue = server.submit(prompts, params, max_tokens, logprobs, score_prompt=echo)
         except APIError as e:
             return error_response(e, endpoint)
         except ClientDisconnect:
@@ -357,6 +368,15 @@ def make_app(server: Server):
         prompt_len = sum(len(p) for p in prompts)
         cached = [0] * len(ids)  # per choice: its prompt's tokens found in a slot's cache (a prompt counts once)
         prefix = [server.tokenizer.decode(prompts[c // n]) if echo else "" for c in range(len(ids))]
+        prompt_scored = [not echo] * len(ids)
+
+        def scored(c: int, out) -> list:
+            """out's logprob entries, after the echoed prompt's in the choice's first output (its first
+            token unscored, as OpenAI gives it): what lm-eval's loglikelihood reads."""
+            if prompt_scored[c]:
+                return out.logprobs
+            prompt_scored[c] = True
+            return [(prompts[c // n][0], None, None), *out.prompt_logprobs, *out.logprobs]
 
         if params["stream"]:
             async def events():
@@ -381,7 +401,7 @@ def make_app(server: Server):
                                   "finish_reason": out.finish_reason}
                     else:
                         choice = {"index": c, "text": text, "finish_reason": out.finish_reason,
-                                  "logprobs": completion_logprobs(out, 0) if logprobs is not None else None}
+                                  "logprobs": completion_logprobs(scored(c, out), 0) if logprobs is not None else None}
                     yield json.dumps({**base, "choices": [choice], **extra})
                 if params["include_usage"]:
                     yield json.dumps({**base, "choices": [],
@@ -397,7 +417,8 @@ def make_app(server: Server):
             completion_tokens += len(out.token_ids)
             cached[c] = out.cached_tokens
             if logprobs is not None:
-                lps[c] += chat_logprobs(out) if chat else [completion_logprobs(out, len(texts[c]))]
+                offset = 0 if not prompt_scored[c] else len(texts[c])  # the echoed prompt's entries from 0
+                lps[c] += chat_logprobs(out) if chat else [completion_logprobs(scored(c, out), offset)]
             texts[c] += out.text
             reasons[c] = out.finish_reason
         if any(r is None for r in reasons):  # the client went away
@@ -426,6 +447,47 @@ def make_app(server: Server):
         return JSONResponse({"object": "list", "data": [{"id": server.model_name, "object": "model",
                                                          "created": server.created, "owned_by": "brisk"}]})
 
+    # vLLM's tokenizer endpoints, which lm-eval's remote tokenizer reads (`local-completions` with
+    # nothing but base_url): a client counts and splits tokens as this model does.
+    async def tokenize(request):
+        try:
+            body = await read_body(request)
+            if "messages" in body:
+                ids = chat_prompt(body, server.tokenizer)
+            else:
+                text = get(body, "prompt", "string")
+                if text is None:
+                    raise APIError(400, "'prompt' (a string) or 'messages' is required", param="prompt")
+                try:
+                    ids = server.tokenizer.encode(text, bos=None if get(body, "add_special_tokens", "bool", True)
+                                                  else False)
+                except ValueError as e:
+                    raise APIError(400, str(e), param="prompt") from None
+        except APIError as e:
+            return error_response(e, "tokenize")
+        return JSONResponse({"count": len(ids), "max_model_len": server.engine.max_seq_length, "tokens": ids})
+
+    async def detokenize(request):
+        try:
+            body = await read_body(request)
+            ids = get(body, "tokens", "list")
+            vocab = server.engine.model.config.vocab_size
+            if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise APIError(400, f"'tokens' must be a list of token ids (0..{vocab - 1})", param="tokens")
+        except APIError as e:
+            return error_response(e, "detokenize")
+        return JSONResponse({"prompt": server.tokenizer.decode(ids)})
+
+    async def tokenizer_info(request):
+        try:
+            check_key(request)
+        except APIError as e:
+            return error_response(e, "tokenizer_info")
+        tok = server.tokenizer
+        return JSONResponse({"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token or None,
+                             "eos_token": tok.eos_token or None, "pad_token": None, "add_bos_token": tok.add_bos,
+                             "chat_template": tok.chat_template, "model_max_length": server.engine.max_seq_length})
+
     async def health(request):
         return JSONResponse({"status": "ok", **server.engine.stats()})
 
@@ -443,7 +505,9 @@ def make_app(server: Server):
 
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics), Route("/", index)]
+              Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics), Route("/", index),
+              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
+              Route("/tokenizer_info", tokenizer_info)]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
 
 

@@ -98,6 +98,45 @@ def test_prompt_cache_evicts_the_slot_unused_longest(tiny):
     assert cached == [0, 0, 0, 0, len(b) - 1, 0]
 
 
+@pytest.mark.parametrize("prefill_chunk", [512, 7])
+def test_prompt_logprobs_equal_transformers(tmp_path, prefill_chunk):
+    """Scoring prompts (prompt_logprobs, what the server's echo gives lm-eval): each prompt token's
+    log-probability and the 3 most likely are transformers' for the same ids, whether the prompt
+    loads at once or in chunks, beside a request that scores nothing, and again when a slot holds
+    the prompt already (computed whole: a cached position has no logits)."""
+    hf = make_hf_model("llama31", max_position_embeddings=384)
+    model = load_model(save_and_convert(hf, tmp_path))
+    ps = prompts((23, 1, 40), seed=7)
+    with torch.no_grad():
+        want = [torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), dim=-1) for p in ps]
+    engine = Engine(model, IdTokenizer(), max_batch_size=4, max_seq_length=340, prefill_chunk=prefill_chunk)
+    for _ in range(2):  # four slots: the second time, each prompt finds its own
+        results = engine.generate([Request(p, 4, prompt_logprobs=3) for p in ps] + [Request(prompts((30,))[0], 4)])
+        for p, r, lp in zip(ps, results, want):
+            assert len(r.prompt_logprobs) == len(p) - 1
+            assert [t for t, _, _ in r.prompt_logprobs] == p[1:]
+            got = torch.tensor([v for _, v, _ in r.prompt_logprobs])
+            torch.testing.assert_close(got, lp[torch.arange(len(p) - 1), torch.tensor(p[1:], dtype=torch.long)], atol=1e-4, rtol=1e-4)
+            for row, (_, _, top) in zip(lp, r.prompt_logprobs):
+                torch.testing.assert_close(torch.tensor([v for _, v in top]), row.topk(3).values, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(torch.tensor([v for _, v in top]), row[[t for t, _ in top]])
+            assert r.token_ids == alone(model, p, 4)
+        assert results[-1].prompt_logprobs == []
+
+
+def test_logprobs_score_the_eos_that_ends(tiny):
+    """The EOS that ends a request is neither text nor a token of the answer, but it is scored: a
+    continuation's probability (lm-eval's loglikelihood through the server) includes it."""
+    model = tiny("llama31")
+    p = prompts((12,), seed=9)[0]
+    third = alone(model, p, 3)[2]
+    r, = Engine(model, IdTokenizer(), max_batch_size=2, max_seq_length=340).generate(
+        [Request(p, 8, eos_ids=[third], logprobs=1)])
+    assert r.finish_reason == "stop" and r.token_ids == alone(model, p, 2)
+    assert [t for t, _, _ in r.logprobs] == r.token_ids + [third]
+    assert all(top[0][0] == t and top[0][1] == pytest.approx(v) for t, v, top in r.logprobs)  # greedy: the likeliest
+
+
 @pytest.mark.parametrize("max_batch_size,prefill_chunk", [(8, 512), (3, 512), (4, 48), (1, 64)])
 def test_greedy_batch_equals_alone(tiny, max_batch_size, prefill_chunk):
     """8 prompts of 1 to 300 tokens with different max tokens: every answer is what it is alone,

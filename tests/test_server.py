@@ -151,6 +151,65 @@ def test_n_seed_stop_logprobs(client, reference):
     assert len(r.choices[0].logprobs.token_logprobs) == 5
 
 
+def test_echo_scores_the_prompt(client, checkpoint):
+    """echo with logprobs (OpenAI's legacy scoring): every prompt token after the first carries its
+    log-probability under the model, the first none, then the generated tokens'; streamed the same."""
+    model, tokenizer = load_model(checkpoint), load_tokenizer(checkpoint.parent)
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    with torch.no_grad():
+        model.setup_caches(1, len(ids))
+        want = torch.log_softmax(model(torch.tensor([ids]), torch.arange(len(ids)))[0].float(), dim=-1)
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(ids) + 3
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(want[torch.arange(len(ids) - 1), ids[1:]].tolist(), abs=1e-4)
+    assert [max(top.values()) for top in lp.top_logprobs[1:len(ids)]] == \
+        pytest.approx(want[:-1].max(dim=-1).values.tolist(), abs=1e-4)
+    assert r.choices[0].text.startswith(tokenizer.decode(ids))
+    streamed = client.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0, logprobs=2, echo=True,
+                                         stream=True)
+    assert [v for c in streamed for v in c.choices[0].logprobs.token_logprobs] == \
+        pytest.approx(lp.token_logprobs, abs=1e-6, nan_ok=True)
+
+
+def test_lm_eval_through_the_server(server, checkpoint, monkeypatch, tmp_path):
+    """lm-eval's own API model (`local-completions` given only the server's URL: its remote tokenizer
+    reads /tokenizer_info and /tokenize) gets through the server what eval.py computes in-process:
+    multiple-choice loglikelihoods (echo with logprobs), rolling perplexity, generate_until."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from test_eval import assert_same_responses, evaluate, write_tasks
+    from eval import Scorer, make_lm
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    tokenizer = load_tokenizer(checkpoint.parent)
+    prefix = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_ids[0]  # eval.py's
+    task_dir = write_tasks(tmp_path)
+    lm = LocalCompletionsAPI(base_url=server + "/v1/completions", model="tiny", tokenizer_backend="auto",
+                             auth_token=KEY, max_length=256, custom_prefix_token_id=prefix)
+    assert lm.tokenizer_backend == "remote"
+    got, _ = evaluate(lm, task_dir)
+    expected, _ = evaluate(make_lm(Scorer(load_model(checkpoint), tokenizer, 256)), task_dir)
+    assert_same_responses(got, expected)
+
+
+def test_tokenizer_endpoints(server):
+    import httpx
+    headers = {"Authorization": f"Bearer {KEY}"}
+    ids = httpx.post(server + "/tokenize", json={"prompt": "Paris is the capital"}, headers=headers).json()["tokens"]
+    assert httpx.post(server + "/detokenize", json={"tokens": ids}, headers=headers).json() == \
+        {"prompt": "Paris is the capital"}
+    chat_ids = httpx.post(server + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]},
+                          headers=headers).json()["tokens"]
+    assert chat_ids == httpx.post(server + "/tokenize", json={"prompt": "user: Hi\nassistant:"}, headers=headers).json()["tokens"]
+    info = httpx.get(server + "/tokenizer_info", headers=headers).json()
+    assert info["eos_token"] == "<|endoftext|>" and info["chat_template"] == TEMPLATE
+    for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": 3}), ("/detokenize", {"tokens": [10**6]}),
+                       ("/detokenize", {"tokens": "x"})):
+        r = httpx.post(server + path, json=body, headers=headers)
+        assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(server + "/tokenizer_info").status_code == 401
+
+
 def test_models_and_health(client, server):
     import httpx
     assert [m.id for m in client.models.list().data] == ["tiny"]
