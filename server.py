@@ -30,8 +30,8 @@ from typing import Optional
 
 from engine import DEFAULT_PREFILL_CHUNK, Engine, Request
 from errors import SEED, error_boundary, finite_float, int_in, positive_int
-from load import (DEFAULT_CHECKPOINT, PRECISIONS, check_device, default_device, default_precision, log,
-                  maybe_init_dist)
+from load import (DEFAULT_CHECKPOINT, PRECISIONS, check_device, checkpoint_config, default_device, default_precision,
+                  log, maybe_init_dist)
 from packed_cache import load_packed
 from tokenizer import check_vocab, load_tokenizer
 
@@ -552,7 +552,8 @@ def main(checkpoint_path: Optional[Path], host: str, port: int, api_key: Optiona
     if dist is None or dist.rank == 0:
         check_port(host, port)
     dtype = PRECISIONS[precision] if precision else default_precision(device)
-    tokenizer = load_tokenizer(Path(checkpoint_path).parent)  # a missing one fails before seconds of loading
+    checkpoint_config(checkpoint_path)  # the path and its config.json are checked first
+    tokenizer = load_tokenizer(Path(checkpoint_path).parent)  # then this, before seconds of loading
     t0 = time.perf_counter()
     model = load_packed(checkpoint_path, device, dtype, tp=dist)
     model.kv_cache_dtype = PRECISIONS[kv_cache_dtype] if kv_cache_dtype else None

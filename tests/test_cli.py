@@ -96,7 +96,8 @@ def test_wrong_tokenizer(checkpoint, tmp_path, converted):
 
 
 def test_corrupt_checkpoint(checkpoint, tmp_path):
-    shutil.copy(checkpoint.parent / "config.json", tmp_path / "config.json")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(checkpoint.parent / name, tmp_path / name)
     (tmp_path / "model.pth").write_bytes(checkpoint.read_bytes()[:1000])
     assert_clean_error(run(["generate.py", "--checkpoint_path", str(tmp_path / "model.pth")]), "not a readable")
 
