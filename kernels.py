@@ -63,7 +63,7 @@ def extension():
         except (ImportError, OSError):  # damaged (a killed build): the loader builds it again
             pass
     from torch.utils.cpp_extension import load
-    print("kernels.cpp: building the compiled extension (~30 s, once)", file=sys.stderr, flush=True)
+    print("kernels.cpp: building the compiled extension (about a minute on 2 cores, once)", file=sys.stderr, flush=True)
     build.mkdir(parents=True, exist_ok=True)
     return load(name, [str(p) for p in sources], extra_cflags=CFLAGS, build_directory=str(build), verbose=False)
 
