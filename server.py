@@ -16,6 +16,7 @@ protocol work belongs to those libraries; this file maps the OpenAI API onto the
 """
 import argparse
 import asyncio
+import dataclasses
 import ipaddress
 import json
 import math
@@ -340,7 +341,7 @@ def make_app(server: Server):
                 logprobs = (top or 0) if want else None
                 max_tokens = get(body, "max_completion_tokens", "int") or get(body, "max_tokens", "int")
                 prompts = [chat_prompt(body, server.tokenizer)]
-                echo = False
+                echo = score_only = False
             else:
                 logprobs = get(body, "logprobs", "int", None, lambda v: 0 <= v <= 20, "between 0 and 20")
                 echo = get(body, "echo", "bool", False)
@@ -349,13 +350,14 @@ def make_app(server: Server):
                 if get(body, "best_of", "int", params["n"]) != params["n"]:
                     raise APIError(400, "'best_of' other than n is not supported", param="best_of")
                 max_tokens = get(body, "max_tokens", "int", 16)
+                score_only = echo and max_tokens == 0  # OpenAI's legacy scoring: the prompt alone, nothing generated
                 prompts = completion_prompts(body, server.tokenizer)
-            for name, value in (("max_tokens", max_tokens),):
-                if value is not None and value < 1:
-                    raise APIError(400, f"'{name}' must be at least 1, got {value}", param=name)
+            if max_tokens is not None and max_tokens < 1 and not score_only:
+                raise APIError(400, f"'max_tokens' must be at least 1 (0 only with echo), got {max_tokens}",
+                               param="max_tokens")
             if server.stop.is_set():
                 raise APIError(503, "the server is shutting down", kind="server_error")
-            ids, queue = server.submit(prompts, params, max_tokens, logprobs, score_prompt=echo)
+            ids, queue = server.submit(prompts, params, 1 if score_only else max_tokens, logprobs, score_prompt=echo)
         except APIError as e:
             return error_response(e, endpoint)
         except ClientDisconnect:
@@ -369,6 +371,11 @@ def make_app(server: Server):
         cached = [0] * len(ids)  # per choice: its prompt's tokens found in a slot's cache (a prompt counts once)
         prefix = [server.tokenizer.decode(prompts[c // n]) if echo else "" for c in range(len(ids))]
         prompt_scored = [not echo] * len(ids)
+
+        def shown(out):
+            """out as the client sees it: with max_tokens 0 the one token generated is dropped."""
+            return dataclasses.replace(out, text="", token_ids=[], logprobs=[],
+                                       finish_reason=out.finish_reason and "length") if score_only else out
 
         def scored(c: int, out) -> list:
             """out's logprob entries, after the echoed prompt's in the choice's first output (its first
@@ -388,6 +395,7 @@ def make_app(server: Server):
                 sent_text = [False] * len(ids)
                 completion_tokens = 0
                 async for c, out in outputs(request, ids, queue):
+                    out = shown(out)
                     completion_tokens += len(out.token_ids)
                     cached[c] = out.cached_tokens
                     text = out.text
@@ -414,6 +422,7 @@ def make_app(server: Server):
         lps = [[] for _ in ids]
         completion_tokens = 0
         async for c, out in outputs(request, ids, queue):
+            out = shown(out)
             completion_tokens += len(out.token_ids)
             cached[c] = out.cached_tokens
             if logprobs is not None:

@@ -170,6 +170,14 @@ def test_echo_scores_the_prompt(client, checkpoint):
                                          stream=True)
     assert [v for c in streamed for v in c.choices[0].logprobs.token_logprobs] == \
         pytest.approx(lp.token_logprobs, abs=1e-6, nan_ok=True)
+    for stream in (False, True):  # max_tokens 0: the prompt alone, scored, nothing generated
+        r = client.completions.create(model="tiny", prompt=ids, max_tokens=0, logprobs=0, echo=True, stream=stream,
+                                      **({"stream_options": {"include_usage": True}} if stream else {}))
+        chunks = list(r) if stream else [r]
+        scored = [v for c in chunks if c.choices for v in c.choices[0].logprobs.token_logprobs]
+        assert scored == pytest.approx(lp.token_logprobs[:len(ids)], abs=1e-6, nan_ok=True)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == tokenizer.decode(ids)
+        assert chunks[-1].usage.completion_tokens == 0
 
 
 def test_lm_eval_through_the_server(server, checkpoint, monkeypatch, tmp_path):
@@ -245,6 +253,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
     ("/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "gpt-9"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "at least 1"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "0 only with echo"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}, 400, "type int"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 6}, 400,
      "context is 256 tokens"),
