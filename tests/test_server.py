@@ -192,8 +192,10 @@ def test_lm_eval_through_the_server(server, checkpoint, monkeypatch, tmp_path):
     tokenizer = load_tokenizer(checkpoint.parent)
     prefix = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_ids[0]  # eval.py's
     task_dir = write_tasks(tmp_path)
+    # Batches of 3 prompts a request, 2 requests at a time: the engine's slots hold several scored prompts.
     lm = LocalCompletionsAPI(base_url=server + "/v1/completions", model="tiny", tokenizer_backend="auto",
-                             auth_token=KEY, max_length=256, custom_prefix_token_id=prefix)
+                             auth_token=KEY, max_length=256, custom_prefix_token_id=prefix, batch_size=3,
+                             num_concurrent=2)
     assert lm.tokenizer_backend == "remote"
     got, _ = evaluate(lm, task_dir)
     expected, _ = evaluate(make_lm(Scorer(load_model(checkpoint), tokenizer, 256)), task_dir)
