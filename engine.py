@@ -65,7 +65,7 @@ class Output:
     token_ids: list
     # Per new token, the EOS that ended the request included: (token id, logprob, [(token id, logprob), ...]).
     logprobs: list = field(default_factory=list)
-    prompt_logprobs: list = field(default_factory=list)  # the same per prompt token after the first, in the first Output
+    prompt_logprobs: list = field(default_factory=list)  # the same per prompt token but the first (first Output)
     finish_reason: Optional[str] = None  # "stop" (EOS or stop string), "length", "abort"
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of the prompt's, found in the slot's cache (not prefilled)

@@ -136,13 +136,13 @@ def read_prompts_file(path: Path) -> list:
     return items
 
 
-def run_prompts_file(model, tokenizer, prompts_file: Path, output: Optional[Path], chat: bool, max_new_tokens: int,
-                     sampling: dict, eos_ids: list, seed: int, max_batch_size: int, max_seq_length: Optional[int],
-                     prefill_chunk: int, compile: bool, write: bool):
-    """Every prompt of the file through the engine (continuous batching); JSONL results in input order."""
+def run_prompts_file(model, tokenizer, prompts_file: Path, items: list, output: Optional[Path], chat: bool,
+                     max_new_tokens: int, sampling: dict, eos_ids: list, seed: int, max_batch_size: int,
+                     max_seq_length: Optional[int], prefill_chunk: int, compile: bool, write: bool):
+    """Every prompt of the file (items: read_prompts_file's) through the engine (continuous batching);
+    JSONL results in input order."""
     from tqdm import tqdm  # ships with huggingface_hub
 
-    items = read_prompts_file(prompts_file)
     requests = []
     for n, item in items:
         stop = item.get("stop", [])
@@ -189,8 +189,7 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
         if interactive or draft_checkpoint_path or speculate_ngram or batch_size != 1:
             raise ValueError("--prompts_file runs the prompts through the serving engine; it does not combine with "
                              "--interactive, speculative decoding or --batch_size (use --max_batch_size)")
-        if not prompts_file.is_file():
-            raise FileNotFoundError(f"--prompts_file {prompts_file}: no such file")
+        items = read_prompts_file(prompts_file)  # a bad line is said before seconds of loading
         if output is not None:
             check_output_file(output, "--output")
     if checkpoint_path is None:
@@ -242,8 +241,8 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
     if interactive:
         return chat_loop(model, tokenizer, device, max_new_tokens, generate_fn, sampling)
     if prompts_file is not None:
-        return run_prompts_file(model, tokenizer, prompts_file, output, chat, max_new_tokens, sampling, eos_ids, seed,
-                                max_batch_size, max_seq_length, prefill_chunk, compile,
+        return run_prompts_file(model, tokenizer, prompts_file, items, output, chat, max_new_tokens, sampling, eos_ids,
+                                seed, max_batch_size, max_seq_length, prefill_chunk, compile,
                                 write=dist is None or dist.rank == 0)
 
     if synthetic_prompt_len is not None:

@@ -116,7 +116,8 @@ def test_prompt_logprobs_equal_transformers(tmp_path, prefill_chunk):
             assert len(r.prompt_logprobs) == len(p) - 1
             assert [t for t, _, _ in r.prompt_logprobs] == p[1:]
             got = torch.tensor([v for _, v, _ in r.prompt_logprobs])
-            torch.testing.assert_close(got, lp[torch.arange(len(p) - 1), torch.tensor(p[1:], dtype=torch.long)], atol=1e-4, rtol=1e-4)
+            want_lp = lp[torch.arange(len(p) - 1), torch.tensor(p[1:], dtype=torch.long)]
+            torch.testing.assert_close(got, want_lp, atol=1e-4, rtol=1e-4)
             for row, (_, _, top) in zip(lp, r.prompt_logprobs):
                 torch.testing.assert_close(torch.tensor([v for _, v in top]), row.topk(3).values, atol=1e-4, rtol=1e-4)
                 torch.testing.assert_close(torch.tensor([v for _, v in top]), row[[t for t, _ in top]])
@@ -467,7 +468,8 @@ def test_prompts_file_errors(checkpoint, tmp_path, content, needle, capsys):
     with pytest.raises(SystemExit) as e:
         cli(["--checkpoint_path", str(checkpoint), "--prompts_file", str(f), "--no-chat", "--device", "cpu"])
     assert str(e.value.code).startswith("error: ") and needle in str(e.value.code), e.value.code
-    assert capsys.readouterr().out == ""
+    out, err = capsys.readouterr()
+    assert out == "" and ("Loaded" not in err or "the prompt" in needle)  # the file's form before the model loads
 
 
 def test_incremental_text_equals_whole_decode(tmp_path):

@@ -210,7 +210,8 @@ def test_tokenizer_endpoints(server):
         {"prompt": "Paris is the capital"}
     chat_ids = httpx.post(server + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]},
                           headers=headers).json()["tokens"]
-    assert chat_ids == httpx.post(server + "/tokenize", json={"prompt": "user: Hi\nassistant:"}, headers=headers).json()["tokens"]
+    templated = httpx.post(server + "/tokenize", json={"prompt": "user: Hi\nassistant:"}, headers=headers)
+    assert chat_ids == templated.json()["tokens"]
     info = httpx.get(server + "/tokenizer_info", headers=headers).json()
     assert info["eos_token"] == "<|endoftext|>" and info["chat_template"] == TEMPLATE
     for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": 3}), ("/detokenize", {"tokens": [10**6]}),
