@@ -151,7 +151,7 @@ def precompiled(fn: Callable, model, args: tuple, kwargs: dict, signature: tuple
     from load import atomic_write
     key = hashlib.sha256(repr((code_digest(), torch.__version__, machine_digest(), structure_digest(model),
                                fn.__module__, fn.__qualname__, fn.__code__.co_firstlineno, fn.__code__.co_code,
-                               signature)).encode()).hexdigest()[:32]
+                               source_digest(fn), signature)).encode()).hexdigest()[:32]
     path = compiled_steps_dir() / f"{key}.pt2"
     t0 = time.perf_counter()
     if path.is_file():
@@ -298,13 +298,29 @@ def compiled_steps_dir():
     return Path(os.environ.get("BRISK_COMPILE_CACHE", "~/.cache/brisk/compiled")).expanduser()
 
 
-def code_digest() -> str:
-    """Of brisk's own files (what a compiled step traced): any change compiles afresh."""
+def source_digest(fn: Callable) -> str:
+    """Of the file that defines fn, whatever it is (a command-line script's own step included); none
+    for code typed in (python -c: its co_code is in the key)."""
+    import inspect
+    from pathlib import Path
+    path = inspect.getsourcefile(fn)
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path and Path(path).is_file() else ""
+
+
+# The command-line scripts: no library file imports them (tests/test_layout.py), so nothing a compiled
+# step runs or a packed model holds comes from them, and editing one keeps both caches.
+COMMAND_LINES = {"generate.py", "eval.py", "quantize.py", "server.py"}
+
+
+def code_digest(here=None) -> str:
+    """Of brisk's library files in `here` (default: this one's folder), what a compiled step traces
+    and packing runs: any change compiles and packs afresh."""
     from pathlib import Path
     digest = hashlib.sha256()
-    here = Path(__file__).parent
+    here = Path(here or Path(__file__).parent)
     for f in sorted(here.glob("*.py")) + sorted(here.glob("*.cpp")) + sorted(here.glob("*.h")):
-        digest.update(f.name.encode() + f.read_bytes())
+        if f.name not in COMMAND_LINES:
+            digest.update(f.name.encode() + f.read_bytes())
     return digest.hexdigest()
 
 

@@ -91,3 +91,22 @@ def test_generate_imports_no_parallel_or_quantization_code():
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
     assert r.stderr == ""  # importing prints nothing
+
+
+def test_compile_caches_skip_only_command_lines(tmp_path):
+    """compiling.code_digest (the key of compiled steps and packed models) leaves out the command-line
+    scripts alone, which no library file imports: editing server.py keeps both caches, editing a
+    library file does not."""
+    import shutil
+    from compiling import COMMAND_LINES, code_digest
+    assert COMMAND_LINES == {f"{name}.py" for name in CLIS}
+    for f in [*ROOT.glob("*.py"), *ROOT.glob("*.cpp"), *ROOT.glob("*.h")]:
+        shutil.copy(f, tmp_path / f.name)
+    before = code_digest(tmp_path)
+    (tmp_path / "server.py").write_text((tmp_path / "server.py").read_text() + "\n# edited\n")
+    assert code_digest(tmp_path) == before
+    for name in ("model.py", "decode.py", "engine.py", "kernels.cpp"):
+        comment = "//" if name.endswith(".cpp") else "#"
+        (tmp_path / name).write_text((tmp_path / name).read_text() + f"\n{comment} edited\n")
+        assert code_digest(tmp_path) != before, name
+        before = code_digest(tmp_path)
