@@ -28,10 +28,9 @@ import torch.nn.functional as F
 from decode import check_sampling
 from engine import Engine, Request
 from errors import check_output_file, error_boundary, finite_float, int_in, nonnegative_int, positive_int
-from load import (PRECISIONS, atomic_write_text, check_device, checkpoint_config, default_device, default_precision,
-                  device_sync, log, maybe_init_dist, rank0_output)
-from packed_cache import load_packed
-from tokenizer import check_vocab, load_tokenizer
+from load import (PRECISIONS, atomic_write_text, check_device, default_device, default_precision, device_sync,
+                  log, maybe_init_dist, rank0_output)
+from packed_cache import load_with_tokenizer
 
 LM_EVAL_REQUIREMENT = "lm-eval==0.4.13"
 SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "top_p"}  # generation kwargs we honour
@@ -289,10 +288,7 @@ def main(checkpoint_path: Path, tasks: Optional[list], perplexity: Optional[Path
     t0 = time.perf_counter()
     # Under torchrun every rank loads its shard and runs every request (lm_eval sees one process);
     # only rank 0 prints (cli) and writes --output_json.
-    checkpoint_config(checkpoint_path)  # the path and its config.json are checked first
-    tokenizer = load_tokenizer(Path(checkpoint_path).parent)  # then this, before seconds of loading
-    model = load_packed(checkpoint_path, device, dtype, tp=dist)
-    check_vocab(tokenizer, model.config.vocab_size, Path(checkpoint_path).parent)
+    model, tokenizer = load_with_tokenizer(checkpoint_path, device, dtype, tp=dist)
     if apply_chat_template:
         tokenizer.compiled_chat_template()  # before the first request, not after the model ran
     device_sync(device)

@@ -21,11 +21,11 @@ from compiling import compile_prefill as compile_prefill_step, compile_step
 from decode import check_context, check_sampling, decode_one_token, generate, prefill, trim_at_eos
 from engine import DEFAULT_PREFILL_CHUNK, Engine, Request, check_request
 from errors import SEED, check_output_file, error_boundary, finite_float, nonnegative_int, positive_int
-from load import (DEFAULT_CHECKPOINT, PRECISIONS, atomic_write_text, check_device, checkpoint_config, default_device,
-                  default_precision, device_sync, log, maybe_init_dist, model_bytes, rank0_output)
+from load import (DEFAULT_CHECKPOINT, PRECISIONS, atomic_write_text, check_device, default_device, default_precision,
+                  device_sync, log, maybe_init_dist, model_bytes, rank0_output)
 from model import ModelArgs
-from packed_cache import load_packed
-from tokenizer import check_vocab, load_tokenizer, read_json
+from packed_cache import load_with_tokenizer
+from tokenizer import read_json
 
 
 class TextStreamer:
@@ -205,12 +205,9 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
     dtype = PRECISIONS[precision] if precision else default_precision(device)
     torch.manual_seed(seed)
 
-    checkpoint_config(checkpoint_path)  # the path and its config.json are checked first
-    tokenizer = load_tokenizer(Path(checkpoint_path).parent)  # then this, before seconds of loading
     t0 = time.perf_counter()
-    model = load_packed(checkpoint_path, device, dtype, tp=dist)
+    model, tokenizer = load_with_tokenizer(checkpoint_path, device, dtype, tp=dist)
     model.kv_cache_dtype = PRECISIONS[kv_cache_dtype] if kv_cache_dtype else None
-    check_vocab(tokenizer, model.config.vocab_size, Path(checkpoint_path).parent)
     device_sync(device)
     # Weight bytes rather than a parameter count: quantized layers keep their weights in buffers.
     log(f"Loaded {checkpoint_path} ({model_bytes(model) / 1e6:.1f} MB of weights, "

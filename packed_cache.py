@@ -38,8 +38,9 @@ import torch
 
 from compiling import code_digest, machine_digest
 from kernels import best_isa, huge_share, into_huge_pages, pack_for_cpu, register_fake
-from load import Dist, atomic_save, load_model
+from load import Dist, atomic_save, checkpoint_config, load_model
 from model import Transformer
+from tokenizer import check_vocab, load_tokenizer
 
 
 def cache_dir() -> Optional[Path]:
@@ -81,6 +82,19 @@ def load_packed(checkpoint_path, device="cpu", precision: torch.dtype = torch.fl
     if path is not None:
         keep(model, path)
     return model
+
+
+def load_with_tokenizer(checkpoint_path, device="cpu", precision: torch.dtype = torch.float32,
+                        tp: Optional[Dist] = None) -> tuple:
+    """(load_packed(...), the tokenizer beside the checkpoint), checked against each other: what the
+    command lines run. The path, its config.json and the tokenizer are read first, so a missing one
+    is said before seconds of loading and packing."""
+    checkpoint_config(checkpoint_path)
+    folder = Path(checkpoint_path).parent
+    tokenizer = load_tokenizer(folder)
+    model = load_packed(checkpoint_path, device, precision, tp=tp)
+    check_vocab(tokenizer, model.config.vocab_size, folder)
+    return model, tokenizer
 
 
 WRITER = "packed_cache.write"  # the name of the threads keep starts

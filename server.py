@@ -31,10 +31,9 @@ from typing import Optional
 
 from engine import DEFAULT_PREFILL_CHUNK, Engine, Request
 from errors import SEED, error_boundary, finite_float, int_in, positive_int
-from load import (DEFAULT_CHECKPOINT, PRECISIONS, check_device, checkpoint_config, default_device, default_precision,
-                  log, maybe_init_dist)
-from packed_cache import load_packed
-from tokenizer import check_vocab, load_tokenizer
+from load import (DEFAULT_CHECKPOINT, PRECISIONS, check_device, default_device, default_precision, log,
+                  maybe_init_dist)
+from packed_cache import load_with_tokenizer
 
 MAX_BODY_BYTES = 1 << 20  # larger bodies get 413: no prompt the context holds is that long
 MAX_N = 16
@@ -561,12 +560,9 @@ def main(checkpoint_path: Optional[Path], host: str, port: int, api_key: Optiona
     if dist is None or dist.rank == 0:
         check_port(host, port)
     dtype = PRECISIONS[precision] if precision else default_precision(device)
-    checkpoint_config(checkpoint_path)  # the path and its config.json are checked first
-    tokenizer = load_tokenizer(Path(checkpoint_path).parent)  # then this, before seconds of loading
     t0 = time.perf_counter()
-    model = load_packed(checkpoint_path, device, dtype, tp=dist)
+    model, tokenizer = load_with_tokenizer(checkpoint_path, device, dtype, tp=dist)
     model.kv_cache_dtype = PRECISIONS[kv_cache_dtype] if kv_cache_dtype else None
-    check_vocab(tokenizer, model.config.vocab_size, Path(checkpoint_path).parent)
     max_seq_length = max_seq_length or min(model.config.block_size, 4096)
     engine = Engine(model, tokenizer, max_batch_size, max_seq_length, prefill_chunk, compile, seed,
                     sync=broadcast_events if dist else None)
