@@ -150,7 +150,16 @@ def completion_prompts(body: dict, tokenizer) -> list:
         return [list(p) for p in prompt]
     else:
         raise APIError(400, "'prompt' is required: a string, a list of strings, or token id lists", param="prompt")
-    return [tokenizer.encode(p) for p in prompts]
+    return [encode_text(tokenizer, p) for p in prompts]
+
+
+def encode_text(tokenizer, text: str, bos: Optional[bool] = None) -> list:
+    """tokenizer.encode, with its refusal of text that is not UTF-8 (a lone surrogate escaped in the
+    JSON) a 400."""
+    try:
+        return tokenizer.encode(text, bos=bos)
+    except ValueError as e:
+        raise APIError(400, str(e), param="prompt") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,11 +475,8 @@ def make_app(server: Server):
                 text = get(body, "prompt", "string")
                 if text is None:
                     raise APIError(400, "'prompt' (a string) or 'messages' is required", param="prompt")
-                try:
-                    ids = server.tokenizer.encode(text, bos=None if get(body, "add_special_tokens", "bool", True)
-                                                  else False)
-                except ValueError as e:
-                    raise APIError(400, str(e), param="prompt") from None
+                special = get(body, "add_special_tokens", "bool", True)
+                ids = encode_text(server.tokenizer, text, bos=None if special else False)
         except APIError as e:
             return error_response(e, "tokenize")
         return JSONResponse({"count": len(ids), "max_model_len": server.engine.max_seq_length, "tokens": ids})

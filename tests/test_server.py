@@ -257,6 +257,7 @@ BAD = [
     ("/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "gpt-9"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "at least 1"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "0 only with echo"),
+    ("/v1/completions", {"prompt": "caf\udcff"}, 400, "UTF-8"),  # a lone surrogate, escaped in the JSON
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}, 400, "type int"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 6}, 400,
      "context is 256 tokens"),
