@@ -12,8 +12,13 @@ quantized.py's modules); nothing here knows their classes.
 import contextlib
 import functools
 import hashlib
+import inspect
+import os
+import sys
+import time
 import warnings
 import weakref
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -146,8 +151,6 @@ def precompiled(fn: Callable, model, args: tuple, kwargs: dict, signature: tuple
     dynamic (one package serves caches of any length); the step writes the caches in place. The
     arguments that are not tensors are part of the package, as the signature that names it; it
     checks nothing at a call (each call's signature and the model's structure pick its file)."""
-    import sys
-    import time
     from load import atomic_write
     key = hashlib.sha256(repr((code_digest(), torch.__version__, machine_digest(), structure_digest(model),
                                fn.__module__, fn.__qualname__, fn.__code__.co_firstlineno, fn.__code__.co_code,
@@ -293,16 +296,12 @@ def load_package(path, model) -> Callable:
 
 def compiled_steps_dir():
     """Where precompiled steps are kept: $BRISK_COMPILE_CACHE, default ~/.cache/brisk/compiled."""
-    import os
-    from pathlib import Path
     return Path(os.environ.get("BRISK_COMPILE_CACHE", "~/.cache/brisk/compiled")).expanduser()
 
 
 def source_digest(fn: Callable) -> str:
     """Of the file that defines fn, whatever it is (a command-line script's own step included); none
     for code typed in (python -c: its co_code is in the key)."""
-    import inspect
-    from pathlib import Path
     path = inspect.getsourcefile(fn)
     return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path and Path(path).is_file() else ""
 
@@ -315,7 +314,6 @@ COMMAND_LINES = {"generate.py", "eval.py", "quantize.py", "server.py"}
 def code_digest(here=None) -> str:
     """Of brisk's library files in `here` (default: this one's folder), what a compiled step traces
     and packing runs: any change compiles and packs afresh."""
-    from pathlib import Path
     digest = hashlib.sha256()
     here = Path(here or Path(__file__).parent)
     for f in sorted(here.glob("*.py")) + sorted(here.glob("*.cpp")) + sorted(here.glob("*.h")):
@@ -326,7 +324,6 @@ def code_digest(here=None) -> str:
 
 def machine_digest() -> str:
     """The CPU's instruction sets, which pick the compiled kernels."""
-    from pathlib import Path
     cpuinfo = Path("/proc/cpuinfo")
     flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "") \
         if cpuinfo.is_file() else ""
@@ -423,7 +420,6 @@ def skip_guards(steady: bool):
     apart need to run (checking all of them costs a noticeable part of a small model's step). A
     process without dynamo runs no guards (precompiled steps check none): nothing to skip, and
     nothing imported for it."""
-    import sys
     if "torch._dynamo" not in sys.modules:
         return contextlib.nullcontext()
     return torch.compiler.set_stance("default", skip_guard_eval_unsafe=steady)
