@@ -23,6 +23,10 @@ if command -v ninja >/dev/null; then GENERATOR=(-G Ninja); fi
 # GGML_NATIVE: tuned for this CPU, as a user building llama.cpp would get it. LLAMACPP_CMAKE_ARGS:
 # more flags, e.g. the build of a CPU with AVX2 alone, on a larger one (README, Benchmarks):
 #   LLAMACPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+# On an Intel Xeon whose AMX kernels in llama.cpp die (SIGILL, README: Benchmarks), the native build
+# without them (explicit -mno-* flags win over -march=native's). It runs prompts on its repacked
+# weights, but decodes quantized weights at half the AMX build's speed there:
+#   F="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; CFLAGS="$F" CXXFLAGS="$F" scripts/bench_llamacpp.sh DIR
 # shellcheck disable=SC2086  # the extra flags are words
 cmake -S src -B build "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON ${LLAMACPP_CMAKE_ARGS:-}
