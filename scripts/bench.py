@@ -549,6 +549,11 @@ def run_benchmark(args) -> dict:
         log(f"skip {what}: {reason}")
     cases, files = make_inputs(cases, by_name, tools, skipped)
     rounds = {c.key: [] for c in cases}
+    # What a brisk process holds before any weights: its peak RSS beside the weights' bytes tells
+    # how much of it is the weights (torch's import alone is a fixed few hundred MB on the CPU).
+    code, _, err, runtime_rss = run_child([sys.executable, "-c", "import torch, decode, load, compiling, packed_cache"])
+    if code != 0:
+        raise RuntimeError(f"importing brisk's modules failed: {err.strip().splitlines()[-1:]}")
     roofline = []
     for r in range(args.rounds):
         roofline.append(run_worker(dict(kind="roofline", threads=args.threads, device=args.device,
@@ -580,7 +585,7 @@ def run_benchmark(args) -> dict:
         settings=dict(rounds=args.rounds, short_prompt=SHORT_PROMPT, long_prompt=args.long_prompt,
                       long_new_tokens=args.long_new_tokens, int4_groupsize=INT4_GROUPSIZE,
                       models={m.name: str(m.checkpoint) for m in models}),
-        roofline_gbps=bandwidth, roofline_rounds=roofline, results=results,
+        roofline_gbps=bandwidth, roofline_rounds=roofline, runtime_rss_mb=runtime_rss, results=results,
         skipped=[dict(what=k, reason=v) for k, v in skipped.items()])
 
 
@@ -643,6 +648,9 @@ def format_table(report: dict) -> str:
     lines = [f"{where_cpu(m)}, torch {m['torch']}",
              f"roofline (streaming read, {where}): "
              f"{report['roofline_gbps']:.1f} GB/s; best of {report['settings']['rounds']} round(s)"]
+    if report.get("runtime_rss_mb") and not gpu:
+        lines.append(f"peak RSS of a process that only imports torch and brisk's modules: "
+                     f"{report['runtime_rss_mb']:.0f} MB")
     memory = "peak_gpu_mb" if gpu else "peak_rss_mb"  # the memory that bounds the model size there
     header = (f"{'model':<10} {'prompt':<6} {'system':<21} {'prec':<5} {'decode':>7} {'prefill':>8} {'TTFT':>6} "
               f"{'GPU' if gpu else 'RSS':>6} {'GB/s':>5} {'roof':>5} {'compile':>7} {'start':>11}  "
