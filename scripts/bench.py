@@ -196,11 +196,13 @@ def partial_file(path: Path):
         tmp.unlink(missing_ok=True)
 
 
-def run_checked(cmd):
-    code, out, err, _ = run_child(cmd)
+def run_checked(cmd) -> Optional[float]:
+    """run_child, raising on a failed exit; the child's peak RSS in MB."""
+    code, out, err, peak = run_child(cmd)
     if code != 0:
         raise RuntimeError(f"{Path(cmd[1] if cmd[0] == sys.executable else cmd[0]).name} failed "
                            f"(exit {code}): {err.strip().splitlines()[-1:] or out[-200:]}")
+    return peak
 
 
 def measure_llamacpp(case: "Case", gguf: Path, tools: dict, threads: int) -> dict:
@@ -551,9 +553,7 @@ def run_benchmark(args) -> dict:
     rounds = {c.key: [] for c in cases}
     # What a brisk process holds before any weights: its peak RSS beside the weights' bytes tells
     # how much of it is the weights (torch's import alone is a fixed few hundred MB on the CPU).
-    code, _, err, runtime_rss = run_child([sys.executable, "-c", "import torch, decode, load, compiling, packed_cache"])
-    if code != 0:
-        raise RuntimeError(f"importing brisk's modules failed: {err.strip().splitlines()[-1:]}")
+    runtime_rss = run_checked([sys.executable, "-c", "import torch, decode, load, compiling, packed_cache"])
     roofline = []
     for r in range(args.rounds):
         roofline.append(run_worker(dict(kind="roofline", threads=args.threads, device=args.device,
