@@ -6,7 +6,7 @@
 //
 // W is packed once (kernels.py) as [N / 32, K, 32] (N padded with zero rows): the 32 output columns
 // of a block are one contiguous stream, read once from memory for all M rows (up to 8 at a time from
-// registers, further rows from the cache). Each step of k turns W[k, 32 columns] into fp32 vectors,
+// registers; more rows go over it a 4 KB chunk at a time, every tile of rows from L1). Each step of k turns W[k, 32 columns] into fp32 vectors,
 // broadcasts x[m, k] and adds their product into the row's accumulators: no horizontal sums, no
 // repacking of x. Quantized weights are scaled per block of the sum, not per weight: int8 once at
 // the end, int4 once per group, where sum_k x (q - 8) s + x z = s * sum_k x q + (z - 8 s) * sum_k x.
@@ -24,6 +24,8 @@
 #include <type_traits>
 
 constexpr int64_t BLOCK = 32;
+constexpr int64_t PANEL = 32;         // rows of x a call of a tile function gets at most
+constexpr int64_t CHUNK_BYTES = 4096;  // of a block, that a panel's tiles go over in turn (over_chunks)
 constexpr int64_t PROMPT_K = 32;  // k a chunk of a prompt's AVX2 fp32 tiles (prompt_avx2)
 #define AVX512 __attribute__((target("avx512f")))
 #define AVX2 __attribute__((target("avx2,fma")))
@@ -39,10 +41,14 @@ AVX2 static inline __m256 bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
-// Each weight is read from memory once a step. Asking for the lines 2 KB ahead of their use
-// keeps more of them in flight than the hardware prefetchers do on their own; further ahead was
-// slower (README, How it works).
-static inline void prefetch_ahead(const void* p) { _mm_prefetch((const char*)p + 2048, _MM_HINT_T1); }
+// Each weight is read from memory once a step. Asking for the lines ahead of their use keeps more
+// of them in flight than the hardware prefetchers do on their own: 2 KB ahead for one row of x
+// (further was slower); a tile of more rows spends longer on each line, and kept more of them in
+// flight 8 KB ahead, which also covers a chunk of a panel (over_chunks) (README, How it works).
+template <int ROWS> constexpr int64_t AHEAD = ROWS == 1 ? 2048 : 8192;
+static inline void prefetch_ahead(const void* p, int64_t bytes = AHEAD<1>) {
+  _mm_prefetch((const char*)p + bytes, _MM_HINT_T1);
+}
 // AVX2's one-row fp32 product (the decode of an fp32 model on a CPU without AVX-512) read more
 // with the lines brought into L1 than into L2 (the integer and bf16 tiles did not).
 static inline void prefetch_ahead_l1(const void* p) { _mm_prefetch((const char*)p + 2048, _MM_HINT_T0); }
@@ -53,8 +59,8 @@ static inline void prefetch_ahead_l1(const void* p) { _mm_prefetch((const char*)
 struct F32 {
   const float* w;
   int64_t group;  // K: one group
-  AVX512 void get(int64_t k, __m512& a, __m512& b) const {
-    prefetch_ahead(w + k * BLOCK), prefetch_ahead(w + k * BLOCK + 16);
+  AVX512 void get(int64_t k, __m512& a, __m512& b, int64_t ahead) const {
+    prefetch_ahead(w + k * BLOCK, ahead), prefetch_ahead(w + k * BLOCK + 16, ahead);
     a = _mm512_loadu_ps(w + k * BLOCK), b = _mm512_loadu_ps(w + k * BLOCK + 16);
   }
   // A prompt's AVX2 tiles (prompt_avx2) go over a block 32 k (4 KB) at a time, every 6 rows in
@@ -71,20 +77,22 @@ struct F32 {
   }
   AVX512 __m512 scale512(int64_t g, int64_t c) const { return _mm512_set1_ps(1.f); }
   AVX2 __m256 scale256(int64_t g, int64_t c) const { return _mm256_set1_ps(1.f); }
+  int64_t chunk() const { return CHUNK_BYTES / (BLOCK * 4); }  // k a chunk (over_chunks)
 };
 
 struct Int8 {
   const int8_t* w;
   const float* scales;  // the block's 32
   int64_t group;
-  AVX512 void get(int64_t k, __m512& a, __m512& b) const {
-    prefetch_ahead(w + k * BLOCK);
+  AVX512 void get(int64_t k, __m512& a, __m512& b, int64_t ahead) const {
+    prefetch_ahead(w + k * BLOCK, ahead);
     __m256i q = _mm256_loadu_si256((const __m256i*)(w + k * BLOCK));
     a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
     b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
   }
   AVX512 __m512 scale512(int64_t g, int64_t c) const { return _mm512_loadu_ps(scales + c); }
   AVX2 __m256 scale256(int64_t g, int64_t c) const { return _mm256_loadu_ps(scales + c); }
+  int64_t chunk() const { return CHUNK_BYTES / BLOCK; }
 };
 
 // bf16 values per group and block of 32 outputs in an int4 layer's sz: 32 scales, then 32 zeros
@@ -99,8 +107,8 @@ struct Int4 {
   const float* xsum;   // sum of x over each group, [rows, groups]
   int64_t group, groups;
   bool zeros;          // sz holds zeros
-  AVX512 void get(int64_t k, __m512& a, __m512& b) const {
-    prefetch_ahead(w + k * BLOCK / 2);
+  AVX512 void get(int64_t k, __m512& a, __m512& b, int64_t ahead) const {
+    prefetch_ahead(w + k * BLOCK / 2, ahead);
     __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w + k * BLOCK / 2)));
     a = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
     b = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
@@ -116,6 +124,7 @@ struct Int4 {
     __m256 z = zeros ? bf16x8(sz + g * stride() + BLOCK + c) : _mm256_setzero_ps();
     return _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scale256(g, c), z);
   }
+  int64_t chunk() const { return (CHUNK_BYTES / (BLOCK / 2) + group - 1) / group * group; }  // whole groups
 };
 
 // out[m, c] += scale[c] * acc[m, c] (+ offset[c] * sum of row m's x over the group, int4)
@@ -145,22 +154,23 @@ AVX2 static inline void add_group(const W& w, int64_t g, int64_t c0, __m256 (&ac
   }
 }
 
-// AVX-512: a block is two vectors; 8 rows x 2 vectors = 16 accumulators of the 32 registers.
+// AVX-512: a block is two vectors; 8 rows x 2 vectors = 16 accumulators of the 32 registers. Adds
+// the products over k in [k0, k1) (whole groups) into out.
 template <int ROWS, class W>
-AVX512 static void tile_avx512(const float* x, int64_t K, const W& w, float (*out)[BLOCK]) {
-  for (int64_t k0 = 0, g = 0; k0 < K; k0 += w.group, g++) {
+AVX512 static void tile_avx512(const float* x, int64_t K, int64_t k0, int64_t k1, const W& w, float (*out)[BLOCK]) {
+  for (int64_t g0 = k0; g0 < k1; g0 += w.group) {
     __m512 acc[ROWS][2];
     UNROLL for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    for (int64_t k = k0, k1 = std::min(K, k0 + w.group); k < k1; k++) {
+    for (int64_t k = g0, g1 = std::min(k1, g0 + w.group); k < g1; k++) {
       __m512 w0, w1;
-      w.get(k, w0, w1);
+      w.get(k, w0, w1, AHEAD<ROWS>);
       UNROLL for (int m = 0; m < ROWS; m++) {
         __m512 xk = _mm512_set1_ps(x[m * K + k]);
         acc[m][0] = _mm512_fmadd_ps(xk, w0, acc[m][0]);
         acc[m][1] = _mm512_fmadd_ps(xk, w1, acc[m][1]);
       }
     }
-    add_group<ROWS>(w, g, acc, out);
+    add_group<ROWS>(w, g0 / w.group, acc, out);
   }
 }
 
@@ -170,6 +180,21 @@ static void with_rows(int64_t rows, F&& f) {  // f(std::integral_constant<int, r
     if (rows != R) return with_rows<R + 1, MAX>(rows, f);
   }
   f(std::integral_constant<int, R>{});
+}
+
+// More rows than a tile holds, up to a panel (a short prompt, a batch of streams), go over a block
+// in chunks of `chunk` of its `steps` (the tile's steps over k), every tile of up to TILE rows in
+// turn over a chunk: the first from memory, the others from L1, while the next chunk arrives
+// (prefetch_ahead). A tile at a time over the whole block read it from L2 again for every tile, with
+// no weights in flight. A longer prompt (M, more than a panel) is bound by the tiles' arithmetic,
+// not by memory, and each tile goes over the whole block with its sums in registers: chunks were
+// slower there. f(std::integral_constant<int, rows>, first row, k0, k1).
+template <int TILE, class F>
+static void over_chunks(int64_t M, int64_t rows, int64_t steps, int64_t chunk, F&& f) {
+  if (rows <= TILE || M > PANEL) chunk = steps;
+  for (int64_t k0 = 0; k0 < steps; k0 += chunk)
+    for (int64_t m = 0; m < rows; m += TILE)
+      with_rows<1, TILE>(std::min<int64_t>(TILE, rows - m), [&](auto R) { f(R, m, k0, std::min(steps, k0 + chunk)); });
 }
 
 // AVX2 fp32: 16 registers, so half a block (two vectors) at a time for up to 6 rows: 12
@@ -309,19 +334,20 @@ AVX2 static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, in
 // j + 16 in a byte's nibbles), a scale and zero per `group` (zeros: false for scales alone); int8:
 // 128 bytes, one scale at the end.
 template <int ROWS, bool INT4>
-VNNI static void tile_vnni(const QuantizedRows& x, int64_t m0, int64_t Kp, const uint8_t* w, const float* scales,
-                           const uint16_t* sz, bool zeros, const float* xsum, int64_t group, float (*out)[BLOCK]) {
+VNNI static void tile_vnni(const QuantizedRows& x, int64_t m0, int64_t Kp, int64_t b0, int64_t b1, const uint8_t* w,
+                           const float* scales, const uint16_t* sz, bool zeros, const float* xsum, int64_t group,
+                           float (*out)[BLOCK]) {  // adds the products over k in 32-blocks [b0, b1) into out
   int64_t nb = Kp / BLOCK, groups = Kp / group;
   const int32_t* xq = reinterpret_cast<const int32_t*>(x.q.data()) + m0 * Kp / 4;
   __m512 fa[ROWS][2];
   UNROLL for (int m = 0; m < ROWS; m++) fa[m][0] = fa[m][1] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; b++) {
+  for (int64_t b = b0; b < b1; b++) {
     __m512i ia[ROWS][2];
     UNROLL for (int m = 0; m < ROWS; m++) ia[m][0] = ia[m][1] = _mm512_setzero_si512();
     for (int64_t kq = b * BLOCK / 4; kq < (b + 1) * BLOCK / 4; kq++) {
       __m512i w0, w1;
-      prefetch_ahead(w + kq * (INT4 ? 64 : 128));
-      if constexpr (!INT4) prefetch_ahead(w + kq * 128 + 64);
+      prefetch_ahead(w + kq * (INT4 ? 64 : 128), AHEAD<ROWS>);
+      if constexpr (!INT4) prefetch_ahead(w + kq * 128 + 64, AHEAD<ROWS>);
       if constexpr (INT4) {
         __m512i v = _mm512_loadu_si512(w + kq * 64), low = _mm512_set1_epi8(15);
         w0 = _mm512_and_si512(v, low), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -361,7 +387,8 @@ VNNI static void tile_vnni(const QuantizedRows& x, int64_t m0, int64_t Kp, const
   }
   if constexpr (INT4) {
     UNROLL for (int m = 0; m < ROWS; m++)
-      UNROLL for (int j = 0; j < 2; j++) _mm512_storeu_ps(out[m] + 16 * j, fa[m][j]);
+      UNROLL for (int j = 0; j < 2; j++)
+        _mm512_storeu_ps(out[m] + 16 * j, _mm512_add_ps(fa[m][j], _mm512_loadu_ps(out[m] + 16 * j)));
   } else {
     add_group<ROWS>(Int8{nullptr, scales, Kp}, 0, fa, out);
   }
@@ -476,11 +503,12 @@ AVX2 static void row_avx2_int8(const QuantizedRows& x, int64_t m, int64_t Kp, co
 #define BF16DOT __attribute__((target("avx512f,avx512bf16")))
 
 template <int ROWS>
-BF16DOT static void tile_bf16(const uint32_t* x, int64_t K2, const uint32_t* w, float (*out)[BLOCK]) {
+BF16DOT static void tile_bf16(const uint32_t* x, int64_t K2, int64_t k0, int64_t k1, const uint32_t* w,
+                              float (*out)[BLOCK]) {  // adds the products over pairs [k0, k1) into out
   __m512 acc[ROWS][2];
   UNROLL for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K2; k++) {
-    prefetch_ahead(w + k * BLOCK), prefetch_ahead(w + k * BLOCK + 16);
+  for (int64_t k = k0; k < k1; k++) {
+    prefetch_ahead(w + k * BLOCK, AHEAD<ROWS>), prefetch_ahead(w + k * BLOCK + 16, AHEAD<ROWS>);
     __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k * BLOCK), w1 = (__m512bh)_mm512_loadu_si512(w + k * BLOCK + 16);
     UNROLL for (int m = 0; m < ROWS; m++) {
       __m512bh xk = (__m512bh)_mm512_set1_epi32(x[m * K2 + k]);
@@ -488,10 +516,9 @@ BF16DOT static void tile_bf16(const uint32_t* x, int64_t K2, const uint32_t* w, 
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xk);
     }
   }
-  UNROLL for (int m = 0; m < ROWS; m++) {
-    _mm512_storeu_ps(out[m], acc[m][0]);
-    _mm512_storeu_ps(out[m] + 16, acc[m][1]);
-  }
+  UNROLL for (int m = 0; m < ROWS; m++)
+    UNROLL for (int j = 0; j < 2; j++)
+      _mm512_storeu_ps(out[m] + 16 * j, _mm512_add_ps(acc[m][j], _mm512_loadu_ps(out[m] + 16 * j)));
 }
 
 // bf16 without vdpbf16ps (AVX2, and AVX-512 CPUs without BF16): each 32-bit lane of the pair
@@ -539,6 +566,7 @@ bool has_bf16_dot() {
 // leave the tiles to be scaled in vector registers, which then take the time.)
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512f")))
 constexpr int64_t AMX_ROWS = 16, AMX_TILE = 32;  // rows from which a product runs on AMX; rows a tile
+static_assert(AMX_TILE <= PANEL, "an AMX tile's rows are one call's");
 
 bool has_amx() {  // and Linux hands this process the tile state, which it does only when asked
   static const bool ready = [] {
@@ -635,7 +663,7 @@ static torch::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t rows_per_
   int64_t row_bytes = x.size(-1) * x.element_size();
   int64_t group = std::max<int64_t>(1, ROW_GROUP_BYTES / row_bytes / rows_per_tile) * rows_per_tile;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    alignas(64) float out[AMX_TILE][BLOCK];
+    alignas(64) float out[PANEL][BLOCK];
     if (tiles) tiles_begin(tiles);
     for (int64_t m0 = 0; m0 < M; m0 += group) {
       for (int64_t b = b0; b < b1; b++) {
@@ -667,11 +695,13 @@ static torch::Tensor run_fma(const torch::Tensor& x, int64_t N, int64_t blocks, 
   int64_t K = x.size(-1);
   const float* xp = x.data_ptr<float>();
   int64_t M = x.numel() / K;
-  int64_t rows_per_tile = wide ? 8 : M <= 2 ? 2 : PROMPT_ROWS;
+  int64_t rows_per_tile = wide ? PANEL : M <= 2 ? 2 : PROMPT_ROWS;
   return run(M, N, blocks, rows_per_tile, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
     auto w = format(b, m);
     if (wide)
-      with_rows<1, 8>(rows, [&](auto R) { tile_avx512<decltype(R)::value>(xp + m * K, K, w, out); });
+      over_chunks<8>(M, rows, K, w.chunk(), [&](auto R, int64_t i, int64_t k0, int64_t k1) {
+        tile_avx512<decltype(R)::value>(xp + (m + i) * K, K, k0, k1, format(b, m + i), out + i);
+      });
     else if constexpr (std::is_same_v<decltype(w), F32>) {  // int8 / int4 have integer products on AVX2
       if (rows <= 2)
         with_rows<1, 2>(rows, [&](auto R) { tile_avx2_decode<decltype(R)::value>(xp + m * K, K, w, out); });
@@ -692,13 +722,13 @@ static torch::Tensor run_integer(const torch::Tensor& x, int64_t N, int64_t bloc
   for (int64_t m = 0; m < M && INT4; m++)
     for (int64_t b = 0; b < nb; b++) xsum[m * (Kp / group) + b * BLOCK / group] += xq.d[m * nb + b] * xq.sum[m * nb + b];
   bool vnni = isa == ISA_AVX512VNNI;
-  return run(M, N, blocks, vnni ? 4 : AVX2_INT_ROWS, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+  return run(M, N, blocks, vnni ? PANEL : AVX2_INT_ROWS, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
     const uint8_t* wb = w + b * Kp * bytes;
     const float* sb = INT4 ? nullptr : scales + b * BLOCK;
     const uint16_t* szb = INT4 ? sz + b * (Kp / group) * sz_per_group(zeros) : nullptr;
     if (vnni)
-      with_rows<1, 4>(rows, [&](auto R) {
-        tile_vnni<decltype(R)::value, INT4>(xq, m, Kp, wb, sb, szb, zeros, xsum.data(), group, out);
+      over_chunks<4>(M, rows, nb, CHUNK_BYTES / (BLOCK * bytes), [&](auto R, int64_t i, int64_t b0, int64_t b1) {
+        tile_vnni<decltype(R)::value, INT4>(xq, m + i, Kp, b0, b1, wb, sb, szb, zeros, xsum.data(), group, out + i);
       });
     else if (!INT4 && rows == 1)
       row_avx2_int8(xq, m, Kp, wb, sb, out);
@@ -807,8 +837,10 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, i
         tile_avx2_bf16<decltype(R)::value>(xp + m * K2, K2, wp + b * K2 * BLOCK, out);
       });
     });
-  return run(M, N, blocks, 8, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
-    with_rows<1, 8>(rows, [&](auto R) { tile_bf16<decltype(R)::value>(xp + m * K2, K2, wp + b * K2 * BLOCK, out); });
+  return run(M, N, blocks, PANEL, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+    over_chunks<8>(M, rows, K2, CHUNK_BYTES / (BLOCK * 4), [&](auto R, int64_t i, int64_t k0, int64_t k1) {
+      tile_bf16<decltype(R)::value>(xp + (m + i) * K2, K2, k0, k1, wp + b * K2 * BLOCK, out + i);
+    });
   });
 }
 

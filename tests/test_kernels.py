@@ -34,9 +34,10 @@ def inputs(rows, k):
 @pytest.mark.parametrize("n,k", [(576, 576), (100, 64), (33, 7), (1, 5), (64, 300)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_float64_product(isa, n, k, bias):
-    """Every row count around the register tiles (6 rows for AVX2, 8 for AVX-512) and AVX2's 30 rows
-    a call (40), k around AVX2's chunks of 32 (7, 64, 300, 576), output columns that are no multiple
-    of the 32-column block, 3-D inputs."""
+    """Every row count around the register tiles (6 rows for AVX2, 8 for AVX-512), AVX2's 30 rows
+    and AVX-512's panel of 32 a call (40), k around the chunks of 32 that more rows than a tile go
+    over in turn (7, 64, 300, 576), output columns that are no multiple of the 32-column block, 3-D
+    inputs."""
     torch.manual_seed(n + k)
     linear = nn.Linear(k, n, bias=bias)
     packed = kernels.PackedLinear(linear, isa)
@@ -68,8 +69,9 @@ def rounded_activations(x, isa):
     return (torch.round(blocks * inv).double() * (amax.double() / 127)).flatten(-2)[..., :K]
 
 
-# Around the tiles: AVX2 int8 / int4 4 rows (fp32: 2 for decode, else 6), VNNI 4, AVX-512 FMA 8.
-ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17)
+# Around the tiles: AVX2 int8 / int4 4 rows (fp32: 2 for decode, else 6), VNNI 4, AVX-512 FMA 8;
+# AVX-512's panels of 32 rows, over a block in chunks (40: two panels).
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 40)
 
 
 @pytest.mark.parametrize("n,k", [(576, 576), (100, 64), (33, 7), (1, 5), (64, 300)])
