@@ -6,10 +6,11 @@
 //
 // W is packed once (kernels.py) as [N / 32, K, 32] (N padded with zero rows): the 32 output columns
 // of a block are one contiguous stream, read once from memory for all M rows (up to 8 at a time from
-// registers; more rows go over it a 4 KB chunk at a time, every tile of rows from L1). Each step of k turns W[k, 32 columns] into fp32 vectors,
-// broadcasts x[m, k] and adds their product into the row's accumulators: no horizontal sums, no
-// repacking of x. Quantized weights are scaled per block of the sum, not per weight: int8 once at
-// the end, int4 once per group, where sum_k x (q - 8) s + x z = s * sum_k x q + (z - 8 s) * sum_k x.
+// registers; more rows go over it a 4 KB chunk at a time, every tile of rows from L1). Each step
+// of k turns W[k, 32 columns] into fp32 vectors, broadcasts x[m, k] and adds their product into the
+// row's accumulators: no horizontal sums, no repacking of x. Quantized weights are scaled per block
+// of the sum, not per weight: int8 once at the end, int4 once per group, where
+// sum_k x (q - 8) s + x z = s * sum_k x q + (z - 8 s) * sum_k x.
 // With AVX-512 VNNI, or AVX2 alone, int8 / int4 multiply bytes in integers instead (below).
 // Blocks are split between torch's threads. Built at first use by kernels.py; the instruction set
 // is picked at run time (functions compiled per target, chosen by what the CPU reports).
@@ -722,7 +723,8 @@ static torch::Tensor run_integer(const torch::Tensor& x, int64_t N, int64_t bloc
   for (int64_t m = 0; m < M && INT4; m++)
     for (int64_t b = 0; b < nb; b++) xsum[m * (Kp / group) + b * BLOCK / group] += xq.d[m * nb + b] * xq.sum[m * nb + b];
   bool vnni = isa == ISA_AVX512VNNI;
-  return run(M, N, blocks, vnni ? PANEL : AVX2_INT_ROWS, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+  int64_t rows_per_tile = vnni ? PANEL : AVX2_INT_ROWS;
+  return run(M, N, blocks, rows_per_tile, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
     const uint8_t* wb = w + b * Kp * bytes;
     const float* sb = INT4 ? nullptr : scales + b * BLOCK;
     const uint16_t* szb = INT4 ? sz + b * (Kp / group) * sz_per_group(zeros) : nullptr;

@@ -6,8 +6,9 @@
 A decode step is one row; a batch of streams, a speculative check or a short prompt is a few.
 The weights are random, in the shapes of as many layers of --model as make --gb of each
 precision (more than the last-level cache holds, so they come from memory as a real model's
-do), packed as the command lines pack them. Each row count runs every product once, best of --repeats; the last column is the time
-against one row's, so a product that reads its weights once for all rows stays near 1.
+do), packed as the command lines pack them. Each row count runs every product once, best of
+--repeats; the last column is the time against one row's, so a product that reads its weights
+once for all rows stays near 1.
 """
 import argparse
 import sys
@@ -41,7 +42,8 @@ def packed_product(precision: str, n: int, k: int, isa: str):
             return lambda x: torch.ops.brisk.packed_linear(x, w, n, code), w.nbytes
         return lambda x: torch.ops.brisk.packed_linear_bf16(x.bfloat16(), w, n, code), w.nbytes
     if precision == "int8":
-        q, s = kernels.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), torch.rand(n) / 100, isa)
+        weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        q, s = kernels.pack_int8(weight, torch.rand(n) / 100, isa)
         return lambda x: torch.ops.brisk.packed_linear_int8(x, q, s, n, code), q.nbytes + s.nbytes
     groups = -(-k // 32)  # int4, groups of 32, symmetric (quantize.py's int4-sym)
     codes = torch.randint(0, 16, (n, groups * 32), dtype=torch.uint8, generator=g)
@@ -76,7 +78,8 @@ def main(argv=None):
     p.add_argument("--model", default="llama-3.2-1b", help="a preset of model.py (its layers' shapes)")
     p.add_argument("--gb", type=finite_float(0, low_open=True), default=1.5,
                    help="GB of weights per precision, in whole layers (beyond the last-level cache)")
-    p.add_argument("--precisions", default="fp32,bf16,int8,int4-sym", help="comma-separated: fp32, bf16, int8, int4-sym")
+    p.add_argument("--precisions", default="fp32,bf16,int8,int4-sym",
+                   help="comma-separated: fp32, bf16, int8, int4-sym")
     p.add_argument("--rows", default="1,2,4,8,16,32,64", help="comma-separated rows of x")
     p.add_argument("--repeats", type=positive_int, default=5, help="runs of every product per row count (best kept)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's own)")
