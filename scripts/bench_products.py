@@ -16,13 +16,15 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 if __name__ == "__main__":  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402
 from errors import error_boundary, finite_float, positive_int  # noqa: E402
 from model import ModelArgs  # noqa: E402
-from scripts.bench import cpu_isa, cpu_name  # noqa: E402
+from quantized import Int4Linear, Int8Linear, padded_size, quantize_int4, quantize_int8  # noqa: E402
+from scripts.bench import INT4_GROUPSIZE, TORCH_DTYPES, cpu_isa, cpu_name  # noqa: E402
 
 
 def layer_shapes(config: ModelArgs) -> list:
@@ -32,44 +34,50 @@ def layer_shapes(config: ModelArgs) -> list:
             (2 * config.intermediate_size, config.dim), (config.dim, config.intermediate_size)]
 
 
-def packed_product(precision: str, n: int, k: int, isa: str):
-    """(a function of x, the packed weight's bytes) for random weights [n, k]."""
-    code, g = kernels.ISA_CODES[isa], torch.Generator().manual_seed(n * k)
+def activations(precision: str) -> torch.dtype:
+    """fp32 and bf16 models run in their weights' dtype; quantized ones in fp32 on the CPU."""
+    return getattr(torch, TORCH_DTYPES.get(precision, "float32"))
+
+
+def packed_layer(precision: str, n: int, k: int) -> nn.Module:
+    """A layer of random weights [n, k] as the command lines run it on this CPU: a PackedLinear
+    (fp32, bf16), or quantize.py's int8 / int4-sym (groups of 32) finalized into kernels.cpp's layout."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * k)) * 0.02
     if precision in ("fp32", "bf16"):
-        w = kernels.pack_weight((torch.randn(n, k, generator=g) * 0.02).to(
-            torch.float32 if precision == "fp32" else torch.bfloat16))
-        if precision == "fp32":
-            return lambda x: torch.ops.brisk.packed_linear(x, w, n, code), w.nbytes
-        return lambda x: torch.ops.brisk.packed_linear_bf16(x.bfloat16(), w, n, code), w.nbytes
+        linear = nn.Linear(k, n, bias=False, device="meta")
+        linear.weight = nn.Parameter(w.to(activations(precision)), requires_grad=False)
+        return kernels.PackedLinear(linear, kernels.best_isa())
     if precision == "int8":
-        weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-        q, s = kernels.pack_int8(weight, torch.rand(n) / 100, isa)
-        return lambda x: torch.ops.brisk.packed_linear_int8(x, q, s, n, code), q.nbytes + s.nbytes
-    groups = -(-k // 32)  # int4, groups of 32, symmetric (quantize.py's int4-sym)
-    codes = torch.randint(0, 16, (n, groups * 32), dtype=torch.uint8, generator=g)
-    q, sz = kernels.pack_int4(codes, torch.stack([torch.rand(groups, n) / 100, torch.zeros(groups, n)], -1).bfloat16(),
-                              isa)
-    return lambda x: torch.ops.brisk.packed_linear_int4(x, q, sz, n, code), q.nbytes + sz.nbytes
+        layer = Int8Linear(k, n, bias=False)
+        layer.weight, layer.scales = quantize_int8(w)
+    else:
+        layer = Int4Linear(k, n, False, INT4_GROUPSIZE, padded_size(k, INT4_GROUPSIZE))
+        layer.weight, layer.scales_and_zeros = quantize_int4(w, INT4_GROUPSIZE, symmetric=True)
+    layer.finalize(torch.device("cpu"), torch.float32)
+    return layer
 
 
-def measure(config: ModelArgs, gb: float, precision: str, rows: list, repeats: int, isa: str) -> list:
-    products = []
-    while not products or sum(nbytes for _, _, nbytes in products) < gb * 1e9:  # whole layers
-        products += [(k, *packed_product(precision, n, k, isa)) for n, k in layer_shapes(config)]
-    gb = sum(nbytes for _, _, nbytes in products) / 1e9
+def measure(config: ModelArgs, gb: float, precision: str, rows: list, repeats: int) -> list:
+    layers = []
+    while not layers or sum(nbytes for _, nbytes in layers) < gb * 1e9:  # whole layers
+        for n, k in layer_shapes(config):
+            layer = packed_layer(precision, n, k)
+            layers.append((layer, sum(b.nbytes for b in layer.buffers())))
+    gb = sum(nbytes for _, nbytes in layers) / 1e9
     results, one = [], None
-    for m in rows:
-        xs = {k: torch.randn(m, k) for k, _, _ in products}
-        times = []
-        for _ in range(repeats + 1):  # the first one warms up
-            t0 = time.perf_counter()
-            for k, f, _ in products:
-                f(xs[k])
-            times.append(time.perf_counter() - t0)
-        best = min(times[1:])
-        one = one or best
-        results.append({"precision": precision, "rows": m, "gb": gb, "ms": best * 1e3, "gbps": gb / best,
-                        "vs_one_row": best / one})
+    with torch.no_grad():
+        for m in rows:
+            xs = {k: torch.randn(m, k).to(activations(precision)) for _, k in layer_shapes(config)}
+            times = []
+            for _ in range(repeats + 1):  # the first one warms up
+                t0 = time.perf_counter()
+                for layer, _ in layers:
+                    layer(xs[layer.in_features])
+                times.append(time.perf_counter() - t0)
+            best = min(times[1:])
+            one = one or best
+            results.append({"precision": precision, "rows": m, "gb": gb, "ms": best * 1e3, "gbps": gb / best,
+                            "vs_one_row": best / one})
     return results
 
 
@@ -105,7 +113,7 @@ def main(argv=None):
               f"{torch.__version__}, {args.gb} GB of {args.model}'s layers per precision")
         print(f"{'precision':<10}{'rows':>5}{'GB':>7}{'ms':>9}{'GB/s':>7}{'x 1 row':>9}")
         for precision in precisions:
-            for r in measure(config, args.gb, precision, rows, args.repeats, isa):
+            for r in measure(config, args.gb, precision, rows, args.repeats):
                 print(f"{r['precision']:<10}{r['rows']:>5}{r['gb']:>7.2f}{r['ms']:>9.1f}{r['gbps']:>7.1f}"
                       f"{r['vs_one_row']:>9.2f}", flush=True)
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(kernels.best_isa() == "", reason="kernels.cpp ne
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4-sym"])
 def test_products_at_each_row_count(precision):
     config = ModelArgs(n_layer=1, n_head=4, n_local_heads=2, dim=64, intermediate_size=96, vocab_size=128)
-    results = bench_products.measure(config, 1e-6, precision, [1, 3, 40], 1, kernels.best_isa())
+    results = bench_products.measure(config, 1e-6, precision, [1, 3, 40], 1)
     assert [r["rows"] for r in results] == [1, 3, 40] and results[0]["vs_one_row"] == 1
     # one layer (the fewest whole layers over 1 KB): q/k/v 128 x 64, output 64 x 64, gate/up 192 x 64, down 64 x 96
     weights = 128 * 64 + 64 * 64 + 192 * 64 + 64 * 96
