@@ -40,16 +40,39 @@ def logits_to_probs(logits: Tensor, temperature: float, top_k: Optional[int] = N
     return torch.softmax(logits, dim=-1)
 
 
+ARGMAX_BLOCK = 512  # values whose maximum argmax takes in one vector reduction
+
+
+def argmax(x: Tensor) -> Tensor:
+    """x [..., V] -> the index of each row's largest value [...], exactly as torch.argmax (the first
+    of equal maxima; a NaN counts as the largest). On a CPU torch's argmax compares one value at a
+    time while its amax runs in vector registers, and a vocabulary's argmax is on every token's
+    path: the maxima of blocks of ARGMAX_BLOCK values pick each row's first block that holds its
+    maximum, and argmax searches that block alone (README, How it works)."""
+    V = x.shape[-1]
+    if x.device.type != "cpu" or V < 4 * ARGMAX_BLOCK:
+        return x.argmax(dim=-1)
+    rows = x.reshape(-1, V)
+    whole = V // ARGMAX_BLOCK * ARGMAX_BLOCK
+    maxima = rows[:, :whole].reshape(rows.shape[0], whole // ARGMAX_BLOCK, ARGMAX_BLOCK).amax(dim=-1)
+    if whole < V:
+        maxima = torch.cat([maxima, rows[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
+    start = maxima.argmax(dim=-1, keepdim=True) * ARGMAX_BLOCK
+    # A last block past V repeats x's last value: a tie after its real index, which argmax never picks.
+    index = (start + torch.arange(ARGMAX_BLOCK, device=x.device)).clamp(max=V - 1)
+    return (start[:, 0] + rows.gather(1, index).argmax(dim=-1)).reshape(x.shape[:-1])
+
+
 def sample(logits: Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
            top_p: Optional[float] = None):
     """logits: [B, V] -> (next token [B, 1], probabilities [B, V]). temperature 0 is argmax."""
     if temperature <= 0:
-        token = logits.argmax(dim=-1, keepdim=True)
+        token = argmax(logits)[:, None]
         return token, torch.nn.functional.one_hot(token[:, 0], logits.size(-1)).float()
     probs = logits_to_probs(logits, temperature, top_k, top_p)
     # Exponential race instead of torch.multinomial: same distribution, no host sync on CUDA.
     q = torch.empty_like(probs).exponential_(1)
-    return torch.argmax(probs / q, dim=-1, keepdim=True), probs
+    return argmax(probs / q)[:, None], probs
 
 
 def sample_rows(logits: Tensor, temperature: list, top_k: list, top_p: list, generators: list) -> list:
@@ -60,12 +83,12 @@ def sample_rows(logits: Tensor, temperature: list, top_k: list, top_p: list, gen
     rows' or a global one: a request samples the same tokens alone as in any batch. Greedy rows cost
     one argmax; only the rows that ask for top-k / top-p pay for a sort.
     """
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = argmax(logits).tolist()
     for row in [i for i, t in enumerate(temperature) if t > 0]:
         probs = logits_to_probs(logits[row][None], temperature[row], top_k[row], top_p[row])[0]
         # The exponential race: argmax(p / q), q ~ Exp(1), picks token i with probability p_i.
         q = torch.empty_like(probs).exponential_(1, generator=generators[row])
-        tokens[row] = int(torch.argmax(probs / q))
+        tokens[row] = int(argmax(probs / q))
     return tokens
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from compiling import skip_guards
-from decode import check_context, check_sampling, decode_one_token, logits_to_probs, prefill
+from decode import argmax, check_context, check_sampling, decode_one_token, logits_to_probs, prefill
 from model import Transformer
 from packed_cache import load_packed
 from tokenizer import load_tokenizer
@@ -29,7 +29,7 @@ def verify(model: Transformer, x: Tensor, input_pos: Tensor, temperature: float 
     """x: [B, k+1] at positions input_pos [k+1] -> the target's next-token probabilities [B, k+1, V]."""
     logits = model(x, input_pos)
     if temperature <= 0:  # greedy: a point mass on the argmax, as `sample` does
-        return F.one_hot(logits.argmax(dim=-1), logits.size(-1)).float()
+        return F.one_hot(argmax(logits), logits.size(-1)).float()
     return logits_to_probs(logits, temperature, top_k, top_p)
 
 
@@ -51,7 +51,7 @@ def accept_draft(draft: Tensor, q: Tensor, p: Tensor):
     residual = (p[rows, n] - q[rows, n]).clamp(min=0)  # (B, V), unnormalised
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[rows, n])  # p == q up to rounding
     # Exponential race: argmax(w / Exp(1)) samples from w / sum(w), no normalisation or host sync.
-    return n, (residual / torch.empty_like(residual).exponential_(1)).argmax(dim=-1)
+    return n, argmax(residual / torch.empty_like(residual).exponential_(1))
 
 
 def ngram_draft(context: Tensor, n: int, k: int) -> Tensor:

@@ -154,6 +154,33 @@ def test_presets_exact_names():
         ModelArgs.from_name(name)
 
 
+
+@pytest.mark.parametrize("vocab", [2048, 2049, 2560, 49152, 50257, 151936])
+def test_argmax_equals_torch(vocab):
+    """decode.argmax (the maxima of blocks, then one block's argmax) picks what torch.argmax picks:
+    the first of equal maxima, wherever they lie (two blocks, one block, the partial last block), a
+    NaN as the largest, rows of -inf; eager, and inside a compiled step as decode_one_token's."""
+    from decode import ARGMAX_BLOCK, argmax
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(12, vocab, generator=g)
+    top = x.max().item() + 1
+    x[1, [7, vocab - 1]] = top  # a tie in two blocks: the first
+    x[2, [ARGMAX_BLOCK + 3, ARGMAX_BLOCK + 9]] = top  # a tie within a block
+    x[3, vocab - 1] = top  # the very last value (in a partial block where vocab % ARGMAX_BLOCK)
+    x[4, vocab - 2:] = top  # the partial block's real values tie
+    x[5] = 0.0  # all equal
+    x[6] = -float("inf")
+    x[7, [vocab // 2, vocab // 3]] = float("nan")  # the first NaN, as torch
+    x[8, vocab // 3] = float("inf")
+    x[9, -(vocab % ARGMAX_BLOCK or ARGMAX_BLOCK) - 1] = top  # the last whole block's last value
+    x[10, ARGMAX_BLOCK - 1] = top  # the end of the first block
+    expected = torch.argmax(x, dim=-1)
+    assert argmax(x).tolist() == expected.tolist()
+    assert argmax(x.reshape(3, 4, vocab)).tolist() == expected.reshape(3, 4).tolist()
+    assert argmax(x[:0]).shape == (0,)
+    torch._dynamo.reset()
+    assert torch.compile(argmax, fullgraph=True)(x[:11]).tolist() == expected[:11].tolist()
+
 @pytest.mark.slow
 def test_compiled_decode_equals_eager(converted):
     from compiling import compile_prefill, compile_step
