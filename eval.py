@@ -28,8 +28,7 @@ import torch.nn.functional as F
 from decode import check_sampling
 from engine import Engine, Request
 from errors import check_output_file, error_boundary, finite_float, int_in, nonnegative_int, positive_int
-from load import (PRECISIONS, atomic_write_text, check_device, default_device, default_precision, device_sync,
-                  log, maybe_init_dist, rank0_output)
+from load import add_placement_flags, atomic_write_text, device_sync, log, placement, rank0_output
 from packed_cache import load_with_tokenizer
 
 LM_EVAL_REQUIREMENT = "lm-eval==0.4.13"
@@ -280,10 +279,7 @@ def main(checkpoint_path: Path, tasks: Optional[list], perplexity: Optional[Path
         raise FileNotFoundError(f"--perplexity {perplexity}: no such file")
     if output_json is not None:
         check_output_file(output_json, "--output_json")  # now, not after the whole evaluation
-    device = check_device(device or default_device())
-    dist = maybe_init_dist(device)  # under torchrun: tensor parallel, one shard (and device) per rank
-    device = dist.device if dist else device
-    dtype = PRECISIONS[precision] if precision else default_precision(device)
+    device, dtype, dist = placement(device, precision)
 
     t0 = time.perf_counter()
     # Under torchrun every rank loads its shard and runs every request (lm_eval sees one process);
@@ -344,9 +340,7 @@ def parse_args(argv=None):
                    help="perplexity: tokens between window starts (default: half of --max_seq_length)")
     p.add_argument("--batch_size", type=positive_int, default=1, help="requests per forward pass")
     p.add_argument("--compile", action="store_true", help="compile the forward pass and decode step (torch.compile)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
-    p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
-                   help="weights and activations dtype (default: bfloat16 on CUDA, float16 on MPS, float32 on CPU)")
+    add_placement_flags(p)
     p.add_argument("--output_json", type=Path, default=None, help="also write the results (and perplexity) here")
     return p.parse_args(argv)
 

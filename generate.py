@@ -21,8 +21,8 @@ from compiling import compile_prefill as compile_prefill_step, compile_step
 from decode import check_context, check_sampling, decode_one_token, generate, prefill, trim_at_eos
 from engine import DEFAULT_PREFILL_CHUNK, Engine, Request, check_request
 from errors import SEED, check_output_file, error_boundary, finite_float, nonnegative_int, positive_int
-from load import (DEFAULT_CHECKPOINT, PRECISIONS, atomic_write_text, check_device, default_device, default_precision,
-                  device_sync, log, maybe_init_dist, model_bytes, rank0_output)
+from load import (DEFAULT_CHECKPOINT, PRECISIONS, add_placement_flags, atomic_write_text, device_sync, log, model_bytes,
+                  placement, rank0_output)
 from model import ModelArgs
 from packed_cache import load_with_tokenizer
 from tokenizer import read_json
@@ -197,12 +197,9 @@ def main(prompt: str, synthetic_prompt_len: Optional[int], interactive: bool, ch
         if not checkpoint_path.is_file():
             raise FileNotFoundError(f"the default model is not prepared ({checkpoint_path} missing); run "
                                     "./scripts/prepare.sh, or pass --checkpoint_path")
-    device = check_device(device or default_device())
-    dist = maybe_init_dist(device)  # under torchrun: tensor parallel, one shard (and device) per rank
-    device = dist.device if dist else device
+    device, dtype, dist = placement(device, precision)
     if dist and interactive:
         raise ValueError("--interactive reads stdin in one process; run it without torchrun")
-    dtype = PRECISIONS[precision] if precision else default_precision(device)
     torch.manual_seed(seed)
 
     t0 = time.perf_counter()
@@ -340,12 +337,7 @@ def parse_args(argv=None):
                    help="compile the decode step with torch.compile (with --prompts_file: prefill too)")
     p.add_argument("--compile_prefill", action="store_true",
                    help="also compile prefill (dynamic shapes; a model packed for kernels.cpp prefills eagerly)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
-    p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
-                   help="weights and activations dtype (default: bfloat16 on CUDA, float16 on MPS, float32 on CPU)")
-    p.add_argument("--kv_cache_dtype", choices=["bfloat16", "float32"], default=None,
-                   help="the KV cache's dtype (default: the activations'): bfloat16 under float32 activations "
-                        "halves the bytes a long context's decode step reads, as llama.cpp's F16 cache")
+    add_placement_flags(p, kv_cache=True)
     p.add_argument("--profile", type=Path, default=None, help="write a torch profiler trace of the last sample")
     p.add_argument("--seed", type=SEED, default=1234, help="random seed for sampling")
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at end-of-sequence (benchmarks)")

@@ -94,6 +94,27 @@ def maybe_init_dist(device: str) -> Optional[Dist]:
     return Dist(rank, world_size, device)
 
 
+def placement(device: Optional[str], precision: Optional[str]) -> tuple:
+    """A command's --device and --precision (None: the defaults) -> (device, dtype, dist); under
+    torchrun (dist not None) the device is this rank's."""
+    device = check_device(device or default_device())
+    dist = maybe_init_dist(device)  # under torchrun: tensor parallel, one shard (and device) per rank
+    device = dist.device if dist else device
+    return device, PRECISIONS[precision] if precision else default_precision(device), dist
+
+
+def add_placement_flags(p, kv_cache: bool = False) -> None:
+    """The flags of every command that runs a model (argparse parser p): where (--device) and in what
+    dtype (--precision; kv_cache: --kv_cache_dtype too)."""
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
+    p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
+                   help="weights and activations dtype (default: bfloat16 on CUDA, float16 on MPS, float32 on CPU)")
+    if kv_cache:
+        p.add_argument("--kv_cache_dtype", choices=["bfloat16", "float32"], default=None,
+                       help="the KV cache's dtype (default: the activations'): bfloat16 under float32 activations "
+                            "halves the bytes a long context's decode step reads, as llama.cpp's F16 cache")
+
+
 @contextlib.contextmanager
 def rank0_output():
     """Silence stdout and stderr on every torchrun rank but 0, so text and logs appear once."""

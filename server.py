@@ -31,8 +31,7 @@ from typing import Optional
 
 from engine import DEFAULT_PREFILL_CHUNK, Engine, Request
 from errors import SEED, error_boundary, finite_float, int_in, positive_int
-from load import (DEFAULT_CHECKPOINT, PRECISIONS, check_device, default_device, default_precision, log,
-                  maybe_init_dist)
+from load import DEFAULT_CHECKPOINT, PRECISIONS, add_placement_flags, log, placement
 from packed_cache import load_with_tokenizer
 
 MAX_BODY_BYTES = 1 << 20  # larger bodies get 413: no prompt the context holds is that long
@@ -560,12 +559,9 @@ def main(checkpoint_path: Optional[Path], host: str, port: int, api_key: Optiona
     if not Path(checkpoint_path).is_file() and checkpoint_path == DEFAULT_CHECKPOINT:
         raise FileNotFoundError(f"the default model is not prepared ({checkpoint_path} missing); run "
                                 "./scripts/prepare.sh, or pass --checkpoint_path")
-    device = check_device(device or default_device())
-    dist = maybe_init_dist(device)
-    device = dist.device if dist else device
+    device, dtype, dist = placement(device, precision)
     if dist is None or dist.rank == 0:
         check_port(host, port)
-    dtype = PRECISIONS[precision] if precision else default_precision(device)
     t0 = time.perf_counter()
     model, tokenizer = load_with_tokenizer(checkpoint_path, device, dtype, tp=dist)
     model.kv_cache_dtype = PRECISIONS[kv_cache_dtype] if kv_cache_dtype else None
@@ -632,12 +628,7 @@ def parse_args(argv=None):
                    help="the most prompt tokens prefilled per engine step, beside the decode step")
     p.add_argument("--compile", action="store_true",
                    help="compile the engine's decode and prefill steps (at startup)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
-    p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
-                   help="weights and activations dtype (default: bfloat16 on CUDA, float16 on MPS, float32 on CPU)")
-    p.add_argument("--kv_cache_dtype", choices=["bfloat16", "float32"], default=None,
-                   help="the KV cache's dtype (default: the activations'): bfloat16 under float32 activations "
-                        "halves the bytes a long context's decode step reads, as llama.cpp's F16 cache")
+    add_placement_flags(p, kv_cache=True)
     p.add_argument("--model_name", default=None, help="the model id clients use (default: the checkpoint's folder)")
     p.add_argument("--shutdown_timeout", type=finite_float(0), default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C")

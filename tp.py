@@ -10,9 +10,9 @@ torch.compile(fullgraph=True) captures them.
 
     torchrun --standalone --nproc_per_node=2 generate.py --checkpoint_path checkpoints/X/model.pth
 
-A script opts in with three lines of load.py (generate.py, eval.py): `dist = maybe_init_dist(device)`
-(None outside torchrun), `load_model(..., tp=dist)` on `dist.device`, and `with rank0_output():`
-around its main. Every rank then runs the same program on the same inputs: an all-reduce or all-gather
+A script opts in with three lines of load.py (generate.py, eval.py, server.py): `device, dtype, dist =
+placement(device, precision)` (dist None outside torchrun; the device this rank's),
+`load_model(..., tp=dist)`, and `with rank0_output():` around its main. Every rank then runs the same program on the same inputs: an all-reduce or all-gather
 hands every rank the same bits, and all that runs after it is the same deterministic computation
 on every rank, so the logits are identical and, with the same seed, so are the sampled tokens (no
 broadcast of the token needed). A draft model for speculative decoding can be sharded the same way
