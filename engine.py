@@ -49,6 +49,12 @@ class Request:
     temperature: float = 0.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0
+    # OpenAI's: each generated token's logit is lowered by frequency_penalty for every time it was
+    # generated before, and by presence_penalty once if it was; logit_bias adds to a token's logit
+    # (-100 bans it, 100 all but forces it). Before sampling, greedy too; logprobs stay the model's own.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Optional[dict] = None  # token id -> bias
     seed: Optional[int] = None
     stop: Sequence[str] = ()  # stop strings: the text ends before the first one
     eos_ids: Optional[Sequence[int]] = None  # None: the tokenizer's
@@ -97,10 +103,19 @@ class _Sequence:
         self.text_sent = 0  # characters of text already emitted
         self.finish_reason: Optional[str] = None
         self.prompt_logprobs: list = []  # scored so far, not yet sent
+        self.counts: dict = {}  # token id -> times generated, where a penalty asks
 
     def take_prompt_logprobs(self) -> list:
         taken, self.prompt_logprobs = self.prompt_logprobs, []
         return taken
+
+    def logit_offsets(self) -> dict:
+        """token id -> what sampling adds to its logit: the request's bias and penalties (empty: none)."""
+        r = self.request
+        offsets = dict(r.logit_bias or {})
+        for token, count in self.counts.items():
+            offsets[token] = offsets.get(token, 0.0) - count * r.frequency_penalty - r.presence_penalty
+        return offsets
 
     @property
     def prefilling(self) -> bool:
@@ -128,6 +143,15 @@ def check_request(request: Request, max_seq_length: int, vocab_size: int):
         if n is not None and not 0 <= n <= vocab_size:
             raise ValueError(f"{name} must be between 0 and the vocabulary's {vocab_size}, got {n}")
     check_sampling(request.temperature, request.top_k, request.top_p)
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(request, name)
+        if not (isinstance(value, (int, float)) and -2 <= value <= 2):
+            raise ValueError(f"{name} must be a number between -2 and 2, got {value!r}")
+    for token, bias in (request.logit_bias or {}).items():
+        if not (isinstance(token, int) and 0 <= token < vocab_size):
+            raise ValueError(f"logit_bias names token {token!r}, outside the vocabulary (0..{vocab_size - 1})")
+        if not (isinstance(bias, (int, float)) and -100 <= bias <= 100):
+            raise ValueError(f"logit_bias of token {token} must be a number between -100 and 100, got {bias!r}")
 
 
 def decode_step(model: Transformer, x: Tensor, input_pos: Tensor, kv_len: Optional[int],
@@ -423,8 +447,8 @@ class Engine:
     def _sample(self, seqs: list, logits: Tensor, outputs: list):
         """logits [len(seqs), V] at each sequence's last position -> its next token, and outputs."""
         reqs = [s.request for s in seqs]
-        tokens = sample_rows(logits, [r.temperature for r in reqs], [r.top_k for r in reqs], [r.top_p for r in reqs],
-                             [s.generator for s in seqs])
+        tokens = sample_rows(offset_logits(logits, [s.logit_offsets() for s in seqs]), [r.temperature for r in reqs],
+                             [r.top_k for r in reqs], [r.top_p for r in reqs], [s.generator for s in seqs])
         for s, t, row in zip(seqs, tokens, logits):
             lp = ranked(row[None], [t], s.request.logprobs) if s.request.logprobs is not None else []
             self._append(s, t, lp, outputs)
@@ -434,6 +458,8 @@ class Engine:
             return self._finish(s, "stop", outputs, logprobs=logprobs)
         s.generated.append(token)
         s.next_token = token
+        if s.request.frequency_penalty or s.request.presence_penalty:
+            s.counts[token] = s.counts.get(token, 0) + 1
         text = s.text.of(self.tokenizer, s.generated)
         stop_at = min((i for i in (text.find(stop, max(0, s.text_sent - len(stop))) for stop in s.request.stop)
                        if i >= 0), default=-1)
@@ -458,6 +484,18 @@ class Engine:
         outputs.append(Output(s.id, text[s.text_sent:], [] if token is None else [token], list(logprobs),
                               s.take_prompt_logprobs(), reason, len(s.prompt), s.reused, len(s.generated)))
         s.text_sent = len(text)
+
+
+def offset_logits(logits: Tensor, offsets: list) -> Tensor:
+    """logits [B, V] with each row's {token id: offset} added (a copy where any row has some)."""
+    if not any(offsets):
+        return logits
+    logits = logits.clone()
+    for row, offset in enumerate(offsets):
+        if offset:
+            ids = torch.tensor(list(offset), device=logits.device)
+            logits[row, ids] += torch.tensor(list(offset.values()), dtype=logits.dtype, device=logits.device)
+    return logits
 
 
 class IncrementalText:

@@ -84,12 +84,13 @@ def sampling_fields(body: dict, allowed: set) -> dict:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise APIError(400, f"unrecognized request argument {unknown[0]!r}", param=unknown[0])
-    for name in ("logit_bias", "tools", "functions"):
+    for name in ("tools", "functions"):
         if body.get(name):
             raise APIError(400, f"'{name}' is not supported by this server", param=name)
-    for name in ("frequency_penalty", "presence_penalty"):
-        if get(body, name, "number", 0) != 0:
-            raise APIError(400, f"'{name}' is not supported by this server (only 0)", param=name)
+    bias = get(body, "logit_bias", "object", {})
+    if not all(k.isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in bias.items()):
+        raise APIError(400, "'logit_bias' must map token ids (as strings) to numbers between -100 and 100",
+                       param="logit_bias")
     stop = get(body, "stop", "string|list", [])
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
@@ -104,6 +105,9 @@ def sampling_fields(body: dict, allowed: set) -> dict:
         seed=get(body, "seed", "int"),
         stop=[s for s in stop if s],
         n=get(body, "n", "int", 1, lambda v: 1 <= v <= MAX_N, f"between 1 and {MAX_N}"),
+        frequency_penalty=get(body, "frequency_penalty", "number", 0.0, lambda v: -2 <= v <= 2, "between -2 and 2"),
+        presence_penalty=get(body, "presence_penalty", "number", 0.0, lambda v: -2 <= v <= 2, "between -2 and 2"),
+        logit_bias={int(k): v for k, v in bias.items()} or None,
         stream=get(body, "stream", "bool", False),
         include_usage=bool((options or {}).get("include_usage")),
     )
@@ -224,6 +228,8 @@ class Server:
                 seed = params["seed"] + j if params["seed"] is not None else None
                 request = Request(p, max_tokens or limit - len(p), temperature=params["temperature"],
                                   top_k=params["top_k"], top_p=params["top_p"], seed=seed, stop=params["stop"],
+                                  frequency_penalty=params["frequency_penalty"],
+                                  presence_penalty=params["presence_penalty"], logit_bias=params["logit_bias"],
                                   logprobs=logprobs, prompt_logprobs=logprobs if score_prompt else None,
                                   on_output=on_output)
                 try:

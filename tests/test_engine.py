@@ -265,6 +265,48 @@ def test_sample_rows_draws_from_the_filtered_distribution():
         assert chi2 < 20, (row, counts[row], expected)  # 4 degrees of freedom: p < 0.001
 
 
+def penalized_reference(model, prompt, n, frequency=0.0, presence=0.0, bias=None):
+    """Greedy decoding with OpenAI's penalties and logit bias, as its documentation writes them, each
+    step's logits from the whole sequence so far without a cache."""
+    tokens = list(prompt)
+    for _ in range(n):
+        model.setup_caches(1, len(tokens))
+        logits = model(torch.tensor([tokens]), torch.arange(len(tokens)), from_start=True)[0, -1].double()
+        for j, b in (bias or {}).items():
+            logits[j] += b
+        generated = tokens[len(prompt):]
+        for j in set(generated):
+            logits[j] -= generated.count(j) * frequency + presence
+        tokens.append(int(logits.argmax()))
+    return tokens[len(prompt):]
+
+
+def test_penalties_and_logit_bias_equal_a_reference(tiny):
+    """frequency / presence penalties and logit_bias, greedy, in one batch beside plain requests:
+    each equals the uncached reference above, and each changed what plain greedy picks."""
+    model = tiny("llama31")
+    ps = prompts((7, 30, 12, 3), seed=5)
+    plain = [alone(model, p, 24) for p in ps]
+    favourite = max(set(plain[2]), key=plain[2].count)
+    cases = [dict(frequency_penalty=1.5), dict(presence_penalty=2.0, frequency_penalty=-0.5),
+             dict(logit_bias={favourite: -100, 7: 4.5})]
+    requests = [Request(p, 24, **kw) for p, kw in zip(ps, cases)] + [Request(ps[3], 24)]
+    results = Engine(model, IdTokenizer(), max_batch_size=4, max_seq_length=64).generate(requests)
+    for p, kw, result, greedy in zip(ps, cases, results, plain):
+        expected = penalized_reference(model, p, 24, kw.get("frequency_penalty", 0.0),
+                                       kw.get("presence_penalty", 0.0), kw.get("logit_bias"))
+        assert result.token_ids == expected, kw
+        assert expected != greedy, kw
+    assert favourite not in results[2].token_ids
+    assert results[3].token_ids == plain[3]
+    # Logprobs stay the model's own: the first token's logprob as without the bias.
+    forced = Engine(model, IdTokenizer(), max_batch_size=1, max_seq_length=64).generate(
+        [Request(ps[0], 3, logit_bias={9: 100}, logprobs=1)])[0]
+    free = Engine(model, IdTokenizer(), max_batch_size=1, max_seq_length=64).generate(
+        [Request(ps[0], 1, logprobs=1)])[0]
+    assert forced.token_ids == [9, 9, 9]
+    assert forced.logprobs[0][2] == free.logprobs[0][2]  # the model's most likely tokens, unchanged
+
 def test_stop_strings_and_streamed_text(tiny):
     """The text ends before the first stop string; the streamed pieces add up to the final text."""
     model = tiny("llama31")
@@ -316,6 +358,10 @@ def test_abort_frees_the_slot(tiny):
     (dict(prompt=[1], max_new_tokens=4, top_p=0.0), "top_p"),
     (dict(prompt=[1], max_new_tokens=4, top_k=-1), "top_k"),
     (dict(prompt=[300], max_new_tokens=4), "outside the vocabulary"),
+    (dict(prompt=[1], max_new_tokens=4, frequency_penalty=3), "frequency_penalty"),
+    (dict(prompt=[1], max_new_tokens=4, presence_penalty=float("nan")), "presence_penalty"),
+    (dict(prompt=[1], max_new_tokens=4, logit_bias={256: 1}), "outside the vocabulary"),
+    (dict(prompt=[1], max_new_tokens=4, logit_bias={3: 101}), "between -100 and 100"),
 ])
 def test_bad_requests_are_refused_before_queueing(tiny, request_kwargs, needle):
     engine = Engine(tiny("llama31"), IdTokenizer(), max_batch_size=2, max_seq_length=64)

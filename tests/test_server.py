@@ -151,6 +151,21 @@ def test_n_seed_stop_logprobs(client, reference):
     assert len(r.choices[0].logprobs.token_logprobs) == 5
 
 
+def test_penalties_and_logit_bias(client, checkpoint, reference):
+    """frequency / presence penalties and logit_bias reach the engine (tests/test_engine.py checks its
+    arithmetic against a reference): the server's text is the engine's own for the same request."""
+    from engine import Engine, Request
+    model, tokenizer = load_model(checkpoint), load_tokenizer(checkpoint.parent)
+    ids = tokenizer.encode("The quick brown")
+    penalties = dict(frequency_penalty=0.5, presence_penalty=-2.0)  # negative: repeats
+    expected = Engine(model, tokenizer, 1, 256).generate([Request(ids, 12, **penalties)])[0]
+    assert expected.text != reference("The quick brown", 12, chat=False)[0]  # they change the greedy text
+    r = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=12, temperature=0, **penalties)
+    assert r.choices[0].text == expected.text
+    r = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=4, temperature=0,
+                                  logit_bias={"100": 100})
+    assert r.choices[0].text == tokenizer.decode([100] * 4)
+
 def test_echo_scores_the_prompt(client, checkpoint):
     """echo with logprobs (OpenAI's legacy scoring): every prompt token after the first carries its
     log-probability under the model, the first none, then the generated tokens'; streamed the same."""
@@ -272,6 +287,11 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "beam": 2}, 400, "unrecognized"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": [1]}, 400, "'stop'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 3}, 400,
+     "between -2 and 2"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, 400, "token ids"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 200}}, 400, "between -100 and 100"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "outside the vocabulary"),
     ("/v1/completions", {"prompt": 5}, 400, "'prompt' is required"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/v1/completions", b"x" * (2 << 20), 413, "larger than"),
