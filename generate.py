@@ -102,7 +102,8 @@ def synthetic_prompt(length: int, config: ModelArgs) -> list:
 
 # What a line of a .jsonl prompts file may set, and the type each setting must have.
 PROMPT_SETTINGS = {"max_new_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int,
-                   "seed": int, "stop": (str, list)}
+                   "seed": int, "stop": (str, list), "frequency_penalty": (int, float),
+                   "presence_penalty": (int, float), "logit_bias": dict}
 
 
 def read_prompts_file(path: Path) -> list:
@@ -130,6 +131,8 @@ def read_prompts_file(path: Path) -> list:
                                            or key == "stop" and isinstance(value, list)
                                            and not all(isinstance(v, str) for v in value)):
                 raise ValueError(f"{path}:{n}: {key} has the wrong type ({type(value).__name__})")
+            if key == "logit_bias" and not all(k.lstrip("-").isdigit() for k in value):
+                raise ValueError(f'{path}:{n}: logit_bias maps token ids to biases, as {{"198": -100}}')
         items.append((n, item))
     if not items:
         raise ValueError(f"--prompts_file {path} holds no prompt")
@@ -150,7 +153,9 @@ def run_prompts_file(model, tokenizer, prompts_file: Path, items: list, output: 
             encode_prompt(tokenizer, item["prompt"], chat), item.get("max_new_tokens", max_new_tokens),
             temperature=item.get("temperature", sampling["temperature"]), top_k=item.get("top_k", sampling["top_k"] or 0),
             top_p=item.get("top_p", sampling["top_p"] or 1.0), seed=item.get("seed"),
-            stop=[stop] if isinstance(stop, str) else stop, eos_ids=eos_ids))
+            stop=[stop] if isinstance(stop, str) else stop, eos_ids=eos_ids,
+            frequency_penalty=item.get("frequency_penalty", 0.0), presence_penalty=item.get("presence_penalty", 0.0),
+            logit_bias={int(k): v for k, v in item.get("logit_bias", {}).items()} or None))
     max_seq_length = max_seq_length or min(model.config.block_size, max(len(r.prompt) + r.max_new_tokens
                                                                         for r in requests))
     for (n, _), request in zip(items, requests):
@@ -351,7 +356,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("batch inference", "many prompts through the serving engine (engine.py)")
     g.add_argument("--prompts_file", type=Path, default=None,
                    help="a .txt file (a prompt per line) or .jsonl file (objects with \"prompt\" and optional "
-                        "max_new_tokens, temperature, top_p, top_k, seed, stop): one JSON result per prompt")
+                        "max_new_tokens, temperature, top_p, top_k, seed, stop, frequency_penalty, presence_penalty, "
+                        "logit_bias): one JSON result per prompt")
     g.add_argument("--output", type=Path, default=None, help="write the JSONL results here instead of stdout")
     g.add_argument("--max_batch_size", type=positive_int, default=8, help="KV cache slots: requests decoded together")
     g.add_argument("--max_seq_length", type=positive_int, default=None,
