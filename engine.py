@@ -37,6 +37,7 @@ from torch import Tensor
 from compiling import compile_prefill, compile_step, rows_vary, skip_guards
 from decode import check_sampling, sample_rows
 from model import Transformer
+from structured import Constraint, TokenTable
 
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -55,6 +56,9 @@ class Request:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: Optional[dict] = None  # token id -> bias
+    # The text follows this llguidance grammar (structured.json_grammar(schema): a JSON schema's); it
+    # ends, finish_reason "stop", once the grammar allows nothing more.
+    grammar: Optional[str] = None
     seed: Optional[int] = None
     stop: Sequence[str] = ()  # stop strings: the text ends before the first one
     eos_ids: Optional[Sequence[int]] = None  # None: the tokenizer's
@@ -104,6 +108,7 @@ class _Sequence:
         self.finish_reason: Optional[str] = None
         self.prompt_logprobs: list = []  # scored so far, not yet sent
         self.counts: dict = {}  # token id -> times generated, where a penalty asks
+        self.constraint: Optional[Constraint] = None  # the request's place in its grammar
 
     def take_prompt_logprobs(self) -> list:
         taken, self.prompt_logprobs = self.prompt_logprobs, []
@@ -229,12 +234,21 @@ class Engine:
         # whatever the cache's length: buckets would only add compiled graphs, each a compile (tens
         # of seconds on a first run) the first time a sequence grows past one.
         self.kv_buckets = not all(layer.attention.attend_cache is not None for layer in model.layers)
+        self.token_table: Optional[TokenTable] = None  # for grammars: made at the first one
+
+    def _grammar_table(self) -> TokenTable:
+        with self.lock:
+            if self.token_table is None:
+                self.token_table = TokenTable(self.tokenizer, self.model.config.vocab_size)
+            return self.token_table
 
     # -- what callers use ----------------------------------------------------------------------
 
     def add(self, request: Request) -> int:
         """Queue a request; returns its id. Raises ValueError (before queueing) for a bad one."""
         check_request(request, self.max_seq_length, self.model.config.vocab_size)
+        if request.grammar is not None:
+            self._grammar_table().check(request.grammar)
         with self.lock:
             request_id, self.next_id = self.next_id, self.next_id + 1
             seed = request.seed if request.seed is not None else self.rng.getrandbits(63)
@@ -333,6 +347,8 @@ class Engine:
             self.live[request_id] = seq = _Sequence(request_id, request, eos)
             if request.temperature > 0:
                 seq.generator = torch.Generator(self.device).manual_seed(seed % 2**64)
+            if request.grammar is not None:
+                seq.constraint = Constraint(self.token_table, request.grammar)
             self.waiting.append(seq)
         elif event[0] == "abort" and event[1] in self.live:
             seq = self.live[event[1]]
@@ -447,8 +463,9 @@ class Engine:
     def _sample(self, seqs: list, logits: Tensor, outputs: list):
         """logits [len(seqs), V] at each sequence's last position -> its next token, and outputs."""
         reqs = [s.request for s in seqs]
-        tokens = sample_rows(offset_logits(logits, [s.logit_offsets() for s in seqs]), [r.temperature for r in reqs],
-                             [r.top_k for r in reqs], [r.top_p for r in reqs], [s.generator for s in seqs])
+        shaped = shaped_logits(logits, [s.logit_offsets() for s in seqs], [s.constraint for s in seqs])
+        tokens = sample_rows(shaped, [r.temperature for r in reqs], [r.top_k for r in reqs], [r.top_p for r in reqs],
+                             [s.generator for s in seqs])
         for s, t, row in zip(seqs, tokens, logits):
             lp = ranked(row[None], [t], s.request.logprobs) if s.request.logprobs is not None else []
             self._append(s, t, lp, outputs)
@@ -460,6 +477,8 @@ class Engine:
         s.next_token = token
         if s.request.frequency_penalty or s.request.presence_penalty:
             s.counts[token] = s.counts.get(token, 0) + 1
+        if s.constraint is not None:
+            s.constraint.take(token)
         text = s.text.of(self.tokenizer, s.generated)
         stop_at = min((i for i in (text.find(stop, max(0, s.text_sent - len(stop))) for stop in s.request.stop)
                        if i >= 0), default=-1)
@@ -467,6 +486,8 @@ class Engine:
             return self._finish(s, "stop", outputs, text[:stop_at], token, logprobs)
         if len(s.generated) == s.request.max_new_tokens:
             return self._finish(s, "length", outputs, text, token, logprobs)
+        if s.constraint is not None and s.constraint.complete:  # only an EOS could follow: no step for it
+            return self._finish(s, "stop", outputs, text, token, logprobs)
         # Hold back what may still change: an incomplete UTF-8 sequence, or the start of a stop string.
         safe = len(text) - held_back(text, s.request.stop)
         outputs.append(Output(s.id, text[s.text_sent:safe], [token], logprobs, s.take_prompt_logprobs(), None,
@@ -486,15 +507,18 @@ class Engine:
         s.text_sent = len(text)
 
 
-def offset_logits(logits: Tensor, offsets: list) -> Tensor:
-    """logits [B, V] with each row's {token id: offset} added (a copy where any row has some)."""
-    if not any(offsets):
+def shaped_logits(logits: Tensor, offsets: list, constraints: list) -> Tensor:
+    """logits [B, V] as sampling sees them: each row's {token id: offset} added, and -inf where its
+    constraint (None: none) allows no token; a copy where any row has either."""
+    if not any(offsets) and all(c is None for c in constraints):
         return logits
     logits = logits.clone()
-    for row, offset in enumerate(offsets):
+    for row, (offset, constraint) in enumerate(zip(offsets, constraints)):
         if offset:
             ids = torch.tensor(list(offset), device=logits.device)
             logits[row, ids] += torch.tensor(list(offset.values()), dtype=logits.dtype, device=logits.device)
+        if constraint is not None:
+            logits[row].masked_fill_(~constraint.allowed(logits.device), -float("inf"))
     return logits
 
 

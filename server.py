@@ -28,11 +28,11 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-
 from engine import DEFAULT_PREFILL_CHUNK, Engine, Request
 from errors import SEED, error_boundary, finite_float, int_in, positive_int
 from load import DEFAULT_CHECKPOINT, PRECISIONS, add_placement_flags, log, placement
 from packed_cache import load_with_tokenizer
+from structured import json_grammar
 
 MAX_BODY_BYTES = 1 << 20  # larger bodies get 413: no prompt the context holds is that long
 MAX_N = 16
@@ -111,6 +111,29 @@ def sampling_fields(body: dict, allowed: set) -> dict:
         stream=get(body, "stream", "bool", False),
         include_usage=bool((options or {}).get("include_usage")),
     )
+
+
+def response_grammar(body: dict) -> Optional[str]:
+    """response_format -> the grammar the answer's text must follow (None: free text)."""
+    fmt = get(body, "response_format", "object", {})
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = None
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise APIError(400, "'response_format.json_schema' must be an object holding the JSON schema as 'schema'",
+                           param="response_format")
+        schema = spec.get("schema", {})
+    else:
+        raise APIError(400, "'response_format' must be of type text, json_object or json_schema, got "
+                            f"{json.dumps(kind)[:50]}", param="response_format")
+    try:
+        return json_grammar(schema)
+    except ValueError as e:
+        raise APIError(400, str(e), param="response_format") from None
 
 
 def chat_prompt(body: dict, tokenizer) -> list:
@@ -230,6 +253,7 @@ class Server:
                                   top_k=params["top_k"], top_p=params["top_p"], seed=seed, stop=params["stop"],
                                   frequency_penalty=params["frequency_penalty"],
                                   presence_penalty=params["presence_penalty"], logit_bias=params["logit_bias"],
+                                  grammar=params.get("grammar"),
                                   logprobs=logprobs, prompt_logprobs=logprobs if score_prompt else None,
                                   on_output=on_output)
                 try:
@@ -340,10 +364,7 @@ def make_app(server: Server):
             body = await read_body(request)
             params = sampling_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
             if chat:
-                fmt = body.get("response_format")
-                if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-                    raise APIError(400, "'response_format' supports only {\"type\": \"text\"}",
-                                   param="response_format")
+                params["grammar"] = response_grammar(body)
                 if body.get("tool_choice") not in (None, "none"):
                     raise APIError(400, "'tool_choice' is not supported by this server (tools are not)",
                                    param="tool_choice")

@@ -166,6 +166,25 @@ def test_penalties_and_logit_bias(client, checkpoint, reference):
                                   logit_bias={"100": 100})
     assert r.choices[0].text == tokenizer.decode([100] * 4)
 
+def test_structured_outputs(client):
+    """response_format through the official client: `parse` with a pydantic model sends its strict
+    JSON schema, and pydantic validates the answer (tests/test_structured.py: the engine's side);
+    json_object mode answers an object."""
+    from typing import Annotated, Literal
+    from pydantic import BaseModel, Field
+
+    class Answer(BaseModel):  # bounded everywhere: a random model's answer must end
+        ok: bool
+        n: int = Field(ge=-5, le=99)
+        color: Literal["red", "green", "blue"]
+        tags: list[Annotated[str, Field(max_length=6)]] = Field(max_length=3)
+
+    r = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                      response_format=Answer, max_tokens=200, temperature=0)
+    assert r.choices[0].finish_reason == "stop" and isinstance(r.choices[0].message.parsed, Answer)
+    r = chat(client, QUESTIONS[1], max_tokens=8, temperature=0, response_format={"type": "json_object"})
+    assert r.choices[0].message.content.startswith("{")  # an object begun (a random model may not end one)
+
 def test_echo_scores_the_prompt(client, checkpoint):
     """echo with logprobs (OpenAI's legacy scoring): every prompt token after the first carries its
     log-probability under the model, the first none, then the generated tokens'; streamed the same."""
@@ -283,7 +302,11 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
      "'tools' is not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+                              "response_format": {"type": "xml"}}, 400, "text, json_object or json_schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, 400, "JSON schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, 400, "'schema'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "beam": 2}, 400, "unrecognized"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": [1]}, 400, "'stop'"),
