@@ -25,6 +25,7 @@ from load import (DEFAULT_CHECKPOINT, PRECISIONS, add_placement_flags, atomic_wr
                   placement, rank0_output)
 from model import ModelArgs
 from packed_cache import load_with_tokenizer
+from structured import json_grammar
 from tokenizer import read_json
 
 
@@ -103,7 +104,7 @@ def synthetic_prompt(length: int, config: ModelArgs) -> list:
 # What a line of a .jsonl prompts file may set, and the type each setting must have.
 PROMPT_SETTINGS = {"max_new_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int,
                    "seed": int, "stop": (str, list), "frequency_penalty": (int, float),
-                   "presence_penalty": (int, float), "logit_bias": dict}
+                   "presence_penalty": (int, float), "logit_bias": dict, "json_schema": dict}
 
 
 def read_prompts_file(path: Path) -> list:
@@ -149,13 +150,17 @@ def run_prompts_file(model, tokenizer, prompts_file: Path, items: list, output: 
     requests = []
     for n, item in items:
         stop = item.get("stop", [])
+        try:
+            grammar = json_grammar(item["json_schema"]) if "json_schema" in item else None
+        except ValueError as e:
+            raise ValueError(f"{prompts_file}:{n}: {e}") from None
         requests.append(Request(
             encode_prompt(tokenizer, item["prompt"], chat), item.get("max_new_tokens", max_new_tokens),
             temperature=item.get("temperature", sampling["temperature"]), top_k=item.get("top_k", sampling["top_k"] or 0),
             top_p=item.get("top_p", sampling["top_p"] or 1.0), seed=item.get("seed"),
             stop=[stop] if isinstance(stop, str) else stop, eos_ids=eos_ids,
             frequency_penalty=item.get("frequency_penalty", 0.0), presence_penalty=item.get("presence_penalty", 0.0),
-            logit_bias={int(k): v for k, v in item.get("logit_bias", {}).items()} or None))
+            logit_bias={int(k): v for k, v in item.get("logit_bias", {}).items()} or None, grammar=grammar))
     max_seq_length = max_seq_length or min(model.config.block_size, max(len(r.prompt) + r.max_new_tokens
                                                                         for r in requests))
     for (n, _), request in zip(items, requests):
@@ -357,7 +362,7 @@ def parse_args(argv=None):
     g.add_argument("--prompts_file", type=Path, default=None,
                    help="a .txt file (a prompt per line) or .jsonl file (objects with \"prompt\" and optional "
                         "max_new_tokens, temperature, top_p, top_k, seed, stop, frequency_penalty, presence_penalty, "
-                        "logit_bias): one JSON result per prompt")
+                        "logit_bias, json_schema): one JSON result per prompt")
     g.add_argument("--output", type=Path, default=None, help="write the JSONL results here instead of stdout")
     g.add_argument("--max_batch_size", type=positive_int, default=8, help="KV cache slots: requests decoded together")
     g.add_argument("--max_seq_length", type=positive_int, default=None,

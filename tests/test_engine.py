@@ -475,7 +475,8 @@ def test_prompts_file(checkpoint, tmp_path):
              {"prompt": "Paris is", "max_new_tokens": 5, "stop": "never"},
              {"prompt": "She sells sea shells on the sea shore. " * 3, "max_new_tokens": 9},
              {"prompt": "One plus one", "temperature": 0.9, "seed": 7, "max_new_tokens": 8},
-             {"prompt": "Paris is", "max_new_tokens": 3, "logit_bias": {"100": 100}, "presence_penalty": 0.5}]
+             {"prompt": "Paris is", "max_new_tokens": 3, "logit_bias": {"100": 100}, "presence_penalty": 0.5},
+             {"prompt": "Paris is", "max_new_tokens": 60, "json_schema": {"enum": ["yes", "no"]}}]
     f = tmp_path / "prompts.jsonl"
     f.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "out.jsonl"
@@ -492,6 +493,7 @@ def test_prompts_file(checkpoint, tmp_path):
         assert result["tokens"] == len(ids)
         assert result["finish_reason"] == ("length" if len(ids) == line["max_new_tokens"] else "stop")
     assert results[4]["text"] == tokenizer.decode([100] * 3)  # a bias of 100 beats the presence penalty
+    assert json.loads(results[5]["text"]) in ("yes", "no") and results[5]["finish_reason"] == "stop"
     # The same file as .txt (settings from the flags) prints JSONL on stdout.
     txt = tmp_path / "prompts.txt"
     txt.write_text("\n".join(x["prompt"] for x in lines[:2]) + "\n\n")
@@ -510,6 +512,7 @@ def test_prompts_file(checkpoint, tmp_path):
     ("\n\n", "holds no prompt"),
     ('{"prompt": "hi", "logit_bias": {"the": 1}}\n', "prompts.jsonl:1: logit_bias maps token ids"),
     ('{"prompt": "hi", "frequency_penalty": 5}\n', "prompts.jsonl:1: frequency_penalty must be"),
+    ('{"prompt": "hi", "json_schema": {"type": "nonsense"}}\n', "prompts.jsonl:1: the JSON schema cannot be used"),
 ])
 def test_prompts_file_errors(checkpoint, tmp_path, content, needle, capsys):
     from generate import cli
@@ -520,7 +523,7 @@ def test_prompts_file_errors(checkpoint, tmp_path, content, needle, capsys):
     assert str(e.value.code).startswith("error: ") and needle in str(e.value.code), e.value.code
     out, err = capsys.readouterr()
     # The file's form is checked before the model loads; values against the model (check_request) after.
-    assert out == "" and ("Loaded" not in err or "the prompt" in needle or "penalty" in needle)
+    assert out == "" and ("Loaded" not in err or "the prompt" in needle or "penalty" in needle or "JSON" in needle)
 
 
 def test_incremental_text_equals_whole_decode(tmp_path):
