@@ -348,7 +348,7 @@ class Engine:
             if request.temperature > 0:
                 seq.generator = torch.Generator(self.device).manual_seed(seed % 2**64)
             if request.grammar is not None:
-                seq.constraint = Constraint(self.token_table, request.grammar)
+                seq.constraint = Constraint(self._grammar_table(), request.grammar)  # every rank's own
             self.waiting.append(seq)
         elif event[0] == "abort" and event[1] in self.live:
             seq = self.live[event[1]]
@@ -508,8 +508,8 @@ class Engine:
 
 
 def shaped_logits(logits: Tensor, offsets: list, constraints: list) -> Tensor:
-    """logits [B, V] as sampling sees them: each row's {token id: offset} added, and -inf where its
-    constraint (None: none) allows no token; a copy where any row has either."""
+    """logits [B, V] as sampling sees them: each row's {token id: offset} added, and -inf at the
+    tokens its constraint (None: none) does not allow next; a copy where any row has either."""
     if not any(offsets) and all(c is None for c in constraints):
         return logits
     logits = logits.clone()
