@@ -40,6 +40,9 @@ from model import Transformer
 from structured import Constraint, TokenTable
 
 DEFAULT_PREFILL_CHUNK = 512
+# Prompt positions that another slot's cache row holds are copied rather than computed from this
+# many on (fewer cost more in copies, a few per layer, than in a batched prefill's rows).
+MIN_SHARED = 16
 
 
 @dataclass
@@ -381,8 +384,43 @@ class Engine:
             seq.advance(seq.reused)
             self.slots[free[best]] = seq
 
+    def _written(self, i: int) -> list:
+        """The tokens whose keys and values slot i's cache row holds, from position 0."""
+        s = self.slots[i]
+        return self.kept[i] if s is None else (s.prompt + s.generated)[:s.cached]
+
+    def _share(self, todo: list) -> list:
+        """Prompts copy what other slots' rows hold of them instead of computing it (a system prompt
+        that concurrent chats share, a request's n choices), and a prompt that an earlier request
+        still being prefilled shares waits for it; returns the (slot, sequence) pairs to prefill now.
+        A row's first positions never change while its request runs (it only writes past what it
+        has), so a running request's row is as good a source as a free one's."""
+        ahead = []
+        for i, s in todo:
+            # Scored prompts are computed whole (every position's logits); one that began computing
+            # its own positions goes on.
+            if s.request.prompt_logprobs is not None or s.cached > s.reused:
+                ahead.append((i, s))
+                continue
+            shared = [common_prefix(self._written(j), s.prompt) if j != i else 0 for j in range(self.max_batch_size)]
+            source = max(range(self.max_batch_size), key=shared.__getitem__)
+            n = min(shared[source], len(s.prompt) - 1)  # the last token is computed: its logits pick the first
+            if n - s.cached >= MIN_SHARED:
+                for layer in self.model.layers:
+                    layer.attention.kv_cache.copy_positions(source, i, s.cached, n)
+                s.reused += n - s.cached
+                s.advance(n)
+                if not s.prefilling:  # its last token joins the decode step
+                    continue
+            rest = len(s.prompt) - s.cached
+            if not any(o.id < s.id and o.prefilling and common_prefix(o.prompt, s.prompt) - s.cached >= max(
+                    MIN_SHARED, rest // 2) for _, o in todo):
+                ahead.append((i, s))
+        return ahead
+
     def _prefill(self, outputs: list):
         todo = [(i, s) for i, s in enumerate(self.slots) if s is not None and s.prefilling and s.finish_reason is None]
+        todo = self._share(todo)
         if not todo:
             return
         # A prompt to score goes alone, through the model eagerly: its every position's logits.
@@ -544,14 +582,15 @@ class IncrementalText:
         return text
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens a and b share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
+def common_prefix(a: list, b: list) -> int:
+    """How many leading tokens lists a and b share: compared 64 at a time (a slice comparison runs
+    in C), then one at a time in the first block that differs."""
+    n, end = 0, min(len(a), len(b))
+    while n < end and a[n:n + 64] == b[n:n + 64]:
+        n += 64
+    while n < end and a[n] == b[n]:
         n += 1
-    return n
+    return min(n, end)
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:

@@ -223,6 +223,11 @@ class KVCache(nn.Module):
         self.k_cache[rows[:, None], :, pos] = k.transpose(1, 2)  # indexed (B, T, H, D)
         self.v_cache[rows[:, None], :, pos] = v.transpose(1, 2)
 
+    def copy_positions(self, src: int, dst: int, start: int, end: int):
+        """Row dst's positions [start, end) become row src's (a prompt prefix both rows share)."""
+        self.k_cache[dst, :, start:end] = self.k_cache[src, :, start:end]
+        self.v_cache[dst, :, start:end] = self.v_cache[src, :, start:end]
+
     def read(self, B: int, rows: Optional[Tensor] = None, length: Optional[int] = None):
         """K/V [B, H, S, D] of cache rows `rows` (default: a view of rows 0..B-1), S = the first
         `length` positions (default all)."""

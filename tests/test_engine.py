@@ -61,9 +61,9 @@ def alone(model, prompt, n, eos_ids=()):
 def test_prompt_cache(tiny, prefill_chunk):
     """A request that shares a prefix with what a free slot holds prefills only the rest, and
     answers what it answers alone: the same prompt again (one token prefilled), one that shares a
-    system prompt, and one that shares nothing, prefilled together from different positions (or
-    in chunks from there), after their slots sat free while another request decoded (writing
-    garbage past what they keep)."""
+    system prompt, and one whose first 20 tokens only another slot's row holds (copied from it:
+    _share), prefilled together from different positions (or in chunks from there), after their
+    slots sat free while another request decoded (writing garbage past what they keep)."""
     model = tiny("llama31")
     system = prompts((60,), seed=2)[0]
     q = prompts((5, 9, 14, 3), seed=3)
@@ -77,7 +77,7 @@ def test_prompt_cache(tiny, prefill_chunk):
         cached[out.request_id] = out.cached_tokens
     ids = [engine.next_id + i for i in range(len(later))]
     results = engine.generate([Request(p, 12, on_output=on_output) for p in later])
-    assert [cached[i] for i in ids] == [len(later[0]) - 1, len(system), 0]
+    assert [cached[i] for i in ids] == [len(later[0]) - 1, len(system), 20]
     assert [r.token_ids for r in results] == [alone(model, p, 12) for p in later]
 
 
@@ -306,6 +306,56 @@ def test_penalties_and_logit_bias_equal_a_reference(tiny):
         [Request(ps[0], 1, logprobs=1)])[0]
     assert forced.token_ids == [9, 9, 9]
     assert forced.logprobs[0][2] == free.logprobs[0][2]  # the model's most likely tokens, unchanged
+
+def count_prefill(engine) -> list:
+    """Wraps engine's prefill step to record the prompt tokens each call computes (padding not counted)."""
+    counts, step = [], engine.prefill_fn
+
+    def counting(model, x, input_pos, rows, logits_at, *args):
+        counts.append(int((logits_at + 1).sum()))
+        return step(model, x, input_pos, rows, logits_at, *args)
+    engine.prefill_fn = counting
+    return counts
+
+
+def test_shared_prefix_is_copied_from_a_running_request(tiny):
+    """A prompt whose start another slot's row already holds (a request still decoding) copies those
+    positions instead of computing them, and decodes as it would alone; a prompt that only shares
+    a few tokens computes its own."""
+    model = tiny("llama31")
+    (common,) = prompts([90], seed=11)
+    a, b, c = common + [5, 6, 7], common + [9], common[:10] + [1, 2, 3]
+    engine = Engine(model, IdTokenizer(), max_batch_size=3, max_seq_length=160)
+    prefilled = count_prefill(engine)
+    first = engine.add(Request(a, 30))
+    outs = []
+    while len(outs) < 3:  # a is decoding
+        outs += engine.step()
+    second, third = engine.add(Request(b, 20)), engine.add(Request(c, 20))
+    while engine.has_work():
+        outs += engine.step()
+    tokens = {i: [t for o in outs if o.request_id == i for t in o.token_ids] for i in (first, second, third)}
+    assert tokens == {first: alone(model, a, 30), second: alone(model, b, 20), third: alone(model, c, 20)}
+    cached = {o.request_id: o.cached_tokens for o in outs}
+    assert cached[second] == 90 and cached[third] == 0
+    assert sum(prefilled) == len(a) + len(c)  # b's 90 copied, its last token decoded
+
+
+def test_identical_prompts_are_prefilled_once(tiny):
+    """n choices of one prompt (arriving together): the first is prefilled, the others wait a step
+    and copy its row; each equals what it gives alone (greedy and seeded sampling)."""
+    model = tiny("llama31")
+    (p,) = prompts([120], seed=12)
+    requests = [Request(p, 12), Request(p, 12, temperature=0.9, seed=5), Request(p, 12, temperature=0.9, seed=6)]
+    engine = Engine(model, IdTokenizer(), max_batch_size=3, max_seq_length=160)
+    prefilled = count_prefill(engine)
+    together = engine.generate(requests)
+    assert sum(prefilled) == len(p)
+    for r, result in zip(requests, together):
+        single = Engine(model, IdTokenizer(), max_batch_size=1, max_seq_length=160).generate([r])[0]
+        assert result.token_ids == single.token_ids
+    assert together[0].token_ids == alone(model, p, 12)
+    assert together[1].token_ids != together[2].token_ids  # sampled, each its own seed
 
 def test_stop_strings_and_streamed_text(tiny):
     """The text ends before the first stop string; the streamed pieces add up to the final text."""
