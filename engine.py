@@ -15,7 +15,8 @@ A slot's cache row is never cleared: positions past what its current request wro
 request's values, and the causal mask (keys at positions <= the query's) never lets it see them.
 What a finished request left there is also a prompt cache: a new request takes the free slot whose
 tokens share the longest prefix with its prompt and prefills only the rest (a chat's system prompt
-and earlier turns, a few-shot preamble), as llama.cpp's server does with its slots.
+and earlier turns, a few-shot preamble), as llama.cpp's server does with its slots; and what another
+slot's row holds of a prompt, a running request's too, is copied rather than computed (`_share`).
 
     engine = Engine(model, tokenizer, max_batch_size=8)
     results = engine.generate([Request(tokenizer.encode("Hello"), max_new_tokens=32), ...])
