@@ -44,7 +44,7 @@ CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temp
                "functions", "logit_bias", "frequency_penalty", "presence_penalty"} | IGNORED
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
                      "logprobs", "echo", "suffix", "best_of", "logit_bias", "frequency_penalty",
-                     "presence_penalty"} | IGNORED
+                     "presence_penalty", "response_format"} | IGNORED  # response_format: as vLLM's
 
 
 class APIError(Exception):
@@ -363,8 +363,8 @@ def make_app(server: Server):
         try:
             body = await read_body(request)
             params = sampling_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+            params["grammar"] = response_grammar(body)
             if chat:
-                params["grammar"] = response_grammar(body)
                 if body.get("tool_choice") not in (None, "none"):
                     raise APIError(400, "'tool_choice' is not supported by this server (tools are not)",
                                    param="tool_choice")

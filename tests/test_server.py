@@ -184,6 +184,10 @@ def test_structured_outputs(client):
     assert r.choices[0].finish_reason == "stop" and isinstance(r.choices[0].message.parsed, Answer)
     r = chat(client, QUESTIONS[1], max_tokens=8, temperature=0, response_format={"type": "json_object"})
     assert r.choices[0].message.content.startswith("{")  # an object begun (a random model may not end one)
+    # /v1/completions takes it too (as vLLM's does; the official client passes it through extra_body).
+    r = client.completions.create(model="tiny", prompt="Paris", max_tokens=20, temperature=0, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "yn", "schema": {"enum": ["yes", "no"]}}}})
+    assert json.loads(r.choices[0].text) in ("yes", "no") and r.choices[0].finish_reason == "stop"
 
 def test_echo_scores_the_prompt(client, checkpoint):
     """echo with logprobs (OpenAI's legacy scoring): every prompt token after the first carries its
