@@ -189,6 +189,15 @@ def test_structured_outputs(client):
         "response_format": {"type": "json_schema", "json_schema": {"name": "yn", "schema": {"enum": ["yes", "no"]}}}})
     assert json.loads(r.choices[0].text) in ("yes", "no") and r.choices[0].finish_reason == "stop"
 
+def test_loadgen_smoke(server, capsys):
+    """scripts/loadgen.py (the server benchmark's client) runs against this server: clients behind a
+    shared system prompt, every request answered (its timings are the benchmark's, not asserted)."""
+    from scripts import loadgen
+    loadgen.main(["--url", server + "/v1", "--api_key", KEY, "--clients", "2", "--requests", "4", "--max_tokens", "5",
+                  "--system_words", "40"])
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["errors"] == 0 and result["tokens"] > 0 and result["system_words"] == 40
+
 def test_echo_scores_the_prompt(client, checkpoint):
     """echo with logprobs (OpenAI's legacy scoring): every prompt token after the first carries its
     log-probability under the model, the first none, then the generated tokens'; streamed the same."""
