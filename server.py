@@ -108,6 +108,7 @@ def sampling_fields(body: dict, allowed: set) -> dict:
         frequency_penalty=get(body, "frequency_penalty", "number", 0.0, lambda v: -2 <= v <= 2, "between -2 and 2"),
         presence_penalty=get(body, "presence_penalty", "number", 0.0, lambda v: -2 <= v <= 2, "between -2 and 2"),
         logit_bias={int(k): v for k, v in bias.items()} or None,
+        grammar=response_grammar(body),
         stream=get(body, "stream", "bool", False),
         include_usage=bool((options or {}).get("include_usage")),
     )
@@ -253,7 +254,7 @@ class Server:
                                   top_k=params["top_k"], top_p=params["top_p"], seed=seed, stop=params["stop"],
                                   frequency_penalty=params["frequency_penalty"],
                                   presence_penalty=params["presence_penalty"], logit_bias=params["logit_bias"],
-                                  grammar=params.get("grammar"),
+                                  grammar=params["grammar"],
                                   logprobs=logprobs, prompt_logprobs=logprobs if score_prompt else None,
                                   on_output=on_output)
                 try:
@@ -363,7 +364,6 @@ def make_app(server: Server):
         try:
             body = await read_body(request)
             params = sampling_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
-            params["grammar"] = response_grammar(body)
             if chat:
                 if body.get("tool_choice") not in (None, "none"):
                     raise APIError(400, "'tool_choice' is not supported by this server (tools are not)",
