@@ -2,11 +2,11 @@
 """Structured outputs: a request's text held to a grammar, such as a JSON schema's (OpenAI's
 `response_format`), by masking the tokens that cannot come next before each pick.
 
-Which tokens may follow a text under a grammar, over a byte-level vocabulary of 50-150k tokens, is
-a parser's work that llguidance owns (Rust; the library behind Guidance, and one of vLLM's and
-llama.cpp's structured-output backends): it compiles a JSON schema, a regex or a Lark grammar,
-and answers each step's mask. This file only joins it to brisk's
-tokenizers and to the engine's sampling (engine.py: a request's `grammar`).
+Which tokens may follow a text under a grammar, over a vocabulary of 50-150k tokens, is a parser's
+work that llguidance owns (Rust; the library behind Guidance, and one of vLLM's and llama.cpp's
+structured-output backends): it compiles a JSON schema, a regex or a Lark grammar, and answers
+each step's mask. This file only joins it to brisk's tokenizers and to the engine's sampling
+(engine.py: a request's `grammar`).
 
     grammar = json_grammar({"type": "object", "properties": {"ok": {"type": "boolean"}}})
     Engine(model, tokenizer).generate([Request(ids, 64, grammar=grammar)])
