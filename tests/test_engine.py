@@ -341,13 +341,15 @@ def test_shared_prefix_is_copied_from_a_running_request(tiny):
     assert sum(prefilled) == len(a) + len(c)  # b's 90 copied, its last token decoded
 
 
-def test_identical_prompts_are_prefilled_once(tiny):
-    """n choices of one prompt (arriving together): the first is prefilled, the others wait a step
-    and copy its row; each equals what it gives alone (greedy and seeded sampling)."""
+@pytest.mark.parametrize("prefill_chunk", [512, 24])
+def test_identical_prompts_are_prefilled_once(tiny, prefill_chunk):
+    """n choices of one prompt (arriving together): the first is prefilled (at once, or in chunks
+    that the others copy as they come), the others wait and copy its row; each equals what it
+    gives alone (greedy and seeded sampling)."""
     model = tiny("llama31")
     (p,) = prompts([120], seed=12)
     requests = [Request(p, 12), Request(p, 12, temperature=0.9, seed=5), Request(p, 12, temperature=0.9, seed=6)]
-    engine = Engine(model, IdTokenizer(), max_batch_size=3, max_seq_length=160)
+    engine = Engine(model, IdTokenizer(), max_batch_size=3, max_seq_length=160, prefill_chunk=prefill_chunk)
     prefilled = count_prefill(engine)
     together = engine.generate(requests)
     assert sum(prefilled) == len(p)
