@@ -113,3 +113,33 @@ def test_speculative_greedy_equals_plain_greedy(tmp_path_factory):
         out = speculative_generate(target, prompt, 30, k=3, accepted=accepted, draft_fn=decode_fn,
                                    verify_fn=verify_fn, **drafter)
         assert out[0].tolist() == plain, drafter
+
+
+def test_engine_on_device(tmp_path):
+    """The serving engine on the device, compiled (on CUDA: CUDA graphs over every slot): requests
+    that wait for and copy another's prefix, one with penalties and one held to a JSON schema each
+    answer as they do alone in an eager engine."""
+    import json
+    from conftest import save_tokenizer
+    from engine import Engine, Request
+    from structured import json_grammar
+    from tokenizer import load_tokenizer
+    save_tokenizer(tmp_path / "hf")
+    path = save_and_convert(make_hf_model("llama31", vocab_size=320, eos_token_id=0, max_position_embeddings=256),
+                            tmp_path)
+    model, tokenizer = load_model(path, DEVICE, torch.float32), load_tokenizer(tmp_path)
+    common = list(range(40, 100))
+    requests = [Request(common + [3], 16), Request(common + [4, 5], 16, frequency_penalty=1.0, presence_penalty=-0.5),
+                Request(common[:40], 40, grammar=json_grammar({"enum": ["yes", "no", "maybe"]}))]
+    outputs = []
+    engine = Engine(model, tokenizer, max_batch_size=4, max_seq_length=128, compile=True)
+    for r in requests:
+        r.on_output = outputs.append
+    together = engine.generate(requests)
+    cached = {o.request_id: o.cached_tokens for o in outputs}
+    assert [cached[i] for i in range(3)] == [0, 60, 39]  # the first's prefix, copied
+    for r, got in zip(requests, together):
+        r.on_output = None
+        alone = Engine(model, tokenizer, max_batch_size=1, max_seq_length=128).generate([r])[0]
+        assert got.token_ids == alone.token_ids
+    assert json.loads(together[2].text) in ("yes", "no", "maybe")
