@@ -362,8 +362,7 @@ class Engine:
                 self._finish(seq, "abort", outputs)
 
     def _free(self, i: int):
-        s = self.slots[i]
-        self.kept[i] = (s.prompt + s.generated)[:s.cached]  # the last token sampled is not in the cache
+        self.kept[i] = self._written(i)  # the last token sampled is not in the cache
         self.slots[i] = None
         self.frees += 1
         self.freed_at[i] = self.frees
