@@ -6,6 +6,7 @@ BOS is prepended and the chat template come from the checkpoint's own tokenizer_
 generation_config.json, as transformers reads them.
 """
 import base64
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -34,11 +35,14 @@ class Tokenizer:
 
     chat_template_source: str = "tokenizer_config.json"
 
-    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True,
+                            tools: Optional[list] = None) -> str:
+        """tools: OpenAI's {"type": "function", "function": {...}} entries, which a template that knows
+        tools writes into the prompt (transformers passes them as `tools` too)."""
         import jinja2
         try:
             return self.compiled_chat_template().render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                 bos_token=self.bos_token, eos_token=self.eos_token)
         # The template is the checkpoint's code: whatever it raises is a fault of that file.
         except (jinja2.TemplateError, TypeError, LookupError, ArithmeticError) as e:
@@ -47,27 +51,26 @@ class Tokenizer:
 
     def compiled_chat_template(self):
         """The chat template as a jinja2 Template; a ValueError when there is none or it does not parse."""
+        return self._compiled()[0]
+
+    def chat_template_takes(self, name: str) -> bool:
+        """Whether the chat template reads the variable `name` (e.g. `tools`) from its caller."""
+        return name in self._compiled()[1]
+
+    def _compiled(self) -> tuple:
         if not self.chat_template:
             raise ValueError("this checkpoint's tokenizer has no chat template (tokenizer_config.json "
                              "'chat_template'); use plain prompts instead of chat mode")
-        import jinja2.sandbox  # jinja2 ships with torch
-
-        def raise_exception(message):
-            raise ValueError(f"chat template: {message}")
-
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                           extensions=["jinja2.ext.loopcontrols"])
-        env.globals.update(raise_exception=raise_exception,
-                           strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        import jinja2
         try:
-            return env.from_string(self.chat_template)
+            return compile_template(self.chat_template)
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"the chat template in {self.chat_template_source} has a syntax error (line {e.lineno}: "
                              f"{e.message}); fix it, or pass --no-chat") from None
 
-    def encode_chat(self, messages: list) -> list:
+    def encode_chat(self, messages: list, tools: Optional[list] = None) -> list:
         # The template writes BOS itself where the model wants one.
-        return self.encode(self.apply_chat_template(messages), bos=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools), bos=False)
 
     def _load_special(self, checkpoint_dir: Path, default_add_bos: bool):
         cfg = read_json(checkpoint_dir / "tokenizer_config.json")
@@ -207,6 +210,30 @@ class TiktokenTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return self.enc.n_vocab
+
+
+def _raise_exception(message):
+    raise ValueError(f"chat template: {message}")
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # As transformers renders templates: jinja2's own tojson escapes <, >, & and ' for HTML, which a
+    # prompt holding a tool's schema must not.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=8)
+def compile_template(source: str) -> tuple:
+    """A chat template -> (jinja2 Template, the variables it reads from its caller), in the sandbox
+    and with the helpers transformers gives templates. Kept: compiling one takes milliseconds,
+    which every chat request would pay."""
+    import jinja2.meta
+    import jinja2.sandbox  # jinja2 ships with torch
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
+    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    env.filters["tojson"] = _tojson
+    return env.from_string(source), frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
 
 
 def load_tokenizer(checkpoint_dir) -> Tokenizer:
