@@ -63,6 +63,9 @@ class Request:
     # The text follows this llguidance grammar (structured.json_grammar(schema): a JSON schema's); it
     # ends, finish_reason "stop", once the grammar allows nothing more.
     grammar: Optional[str] = None
+    # With a trigger the grammar is lazy (as llama.cpp's are for tool calls): the text is free, and
+    # nothing is masked, until the trigger first appears in it; the grammar then holds what follows.
+    grammar_trigger: Optional[str] = None
     seed: Optional[int] = None
     stop: Sequence[str] = ()  # stop strings: the text ends before the first one
     eos_ids: Optional[Sequence[int]] = None  # None: the tokenizer's
@@ -113,6 +116,7 @@ class _Sequence:
         self.prompt_logprobs: list = []  # scored so far, not yet sent
         self.counts: dict = {}  # token id -> times generated, where a penalty asks
         self.constraint: Optional[Constraint] = None  # the request's place in its grammar
+        self.trigger_search = 0  # where in the text a lazy grammar's trigger may first appear
 
     def take_prompt_logprobs(self) -> list:
         taken, self.prompt_logprobs = self.prompt_logprobs, []
@@ -253,6 +257,8 @@ class Engine:
         check_request(request, self.max_seq_length, self.model.config.vocab_size)
         if request.grammar is not None:
             self._grammar_table().check(request.grammar)
+        elif request.grammar_trigger is not None:
+            raise ValueError("grammar_trigger needs a grammar")
         with self.lock:
             request_id, self.next_id = self.next_id, self.next_id + 1
             seed = request.seed if request.seed is not None else self.rng.getrandbits(63)
@@ -351,7 +357,7 @@ class Engine:
             self.live[request_id] = seq = _Sequence(request_id, request, eos)
             if request.temperature > 0:
                 seq.generator = torch.Generator(self.device).manual_seed(seed % 2**64)
-            if request.grammar is not None:
+            if request.grammar is not None and request.grammar_trigger is None:
                 seq.constraint = Constraint(self._grammar_table(), request.grammar)  # every rank's own
             self.waiting.append(seq)
         elif event[0] == "abort" and event[1] in self.live:
@@ -518,6 +524,8 @@ class Engine:
         if s.constraint is not None:
             s.constraint.take(token)
         text = s.text.of(self.tokenizer, s.generated)
+        if s.constraint is None and s.request.grammar_trigger is not None:
+            self._trigger(s, text)
         stop_at = min((i for i in (text.find(stop, max(0, s.text_sent - len(stop))) for stop in s.request.stop)
                        if i >= 0), default=-1)
         if stop_at >= 0:
@@ -531,6 +539,22 @@ class Engine:
         outputs.append(Output(s.id, text[s.text_sent:safe], [token], logprobs, s.take_prompt_logprobs(), None,
                               len(s.prompt), s.reused, len(s.generated)))
         s.text_sent = max(s.text_sent, safe)
+
+    def _trigger(self, s: _Sequence, text: str):
+        """A lazy grammar starts where its trigger first appears, fed the text after it (a token may
+        hold the trigger's end and more). Where that text already breaks the grammar, the answer
+        stays free."""
+        trigger = s.request.grammar_trigger
+        at = text.find(trigger, s.trigger_search)
+        if at < 0:
+            s.trigger_search = max(0, len(text) - len(trigger) + 1)
+            return
+        if text.endswith("\ufffd"):  # the text after the trigger is not whole yet
+            return
+        s.trigger_search = len(text) + 1  # where this tail breaks the grammar, a later trigger may start it
+        constraint = Constraint(self._grammar_table(), s.request.grammar)
+        if all(constraint.take(t) for t in self.tokenizer.encode(text[at + len(trigger):], bos=False)):
+            s.constraint = constraint
 
     def _finish(self, s: _Sequence, reason: str, outputs: list, text: Optional[str] = None,
                 token: Optional[int] = None, logprobs: Sequence = ()):

@@ -47,6 +47,20 @@ def json_grammar(schema: Optional[dict] = None) -> str:
     return grammar
 
 
+def lark_grammar(lark: str) -> str:
+    """A Lark grammar in llguidance's dialect (`%json {schema}` embeds a JSON schema) -> a grammar for
+    Request.grammar; ValueError naming the problem."""
+    llg = _llguidance()
+    try:
+        grammar = llg.LLMatcher.grammar_from_lark(lark)
+    except ValueError as e:
+        raise ValueError(f"the grammar cannot be used: {e}") from None
+    error = llg.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"the grammar cannot be used: {error}")
+    return grammar
+
+
 class TokenTable:
     """A tokenizer's tokens as llguidance's parser reads them (built once per engine, at its first
     constrained request), for a model whose logits have vocab_size entries."""
@@ -78,8 +92,9 @@ class Constraint:
         bias = bytearray(self.matcher.compute_logit_bias())  # a byte a token: 0 where not allowed
         return torch.frombuffer(bias, dtype=torch.uint8).to(device) != 0
 
-    def take(self, token: int):
-        self.matcher.consume_token(token)
+    def take(self, token: int) -> bool:
+        """False where the grammar does not allow the token (the matcher then allows nothing)."""
+        return self.matcher.consume_token(token)
 
     @property
     def complete(self) -> bool:

@@ -86,6 +86,27 @@ def test_needs_a_tokenizer_json(tiny):
     assert not engine.has_work()
 
 
+def test_lazy_grammar_starts_at_its_trigger(tiny):
+    """grammar_trigger (tool calls' lazy grammars): the answer is the free one, nothing masked, up
+    to the trigger's first appearance, and follows the grammar after it; a trigger that never
+    appears leaves the answer free."""
+    model, tokenizer = tiny
+    ids = tokenizer.encode("Paris is the capital of")
+    engine = Engine(model, tokenizer, max_batch_size=2, max_seq_length=256)
+    free = engine.generate([Request(ids, 30)])[0]
+    texts = [tokenizer.decode(free.token_ids[:j]) for j in range(len(free.token_ids) + 1)]
+    # A trigger that ends where a token ends, at its first appearance: the grammar takes over there.
+    j = next(j for j in range(2, len(texts)) if len(texts[j]) >= 2 and "\ufffd" not in texts[j][-2:]
+             and texts[j].find(texts[j][-2:]) == len(texts[j]) - 2)
+    lazy, never = engine.generate([Request(ids, 200, grammar=json_grammar(SCHEMA), grammar_trigger=texts[j][-2:]),
+                                   Request(ids, 30, grammar=json_grammar(SCHEMA), grammar_trigger="\x00never")])
+    assert lazy.token_ids[:j] == free.token_ids[:j] and lazy.text.startswith(texts[j])
+    assert lazy.finish_reason == "stop" and follows_schema(json.loads(lazy.text[len(texts[j]):]))
+    assert never.token_ids == free.token_ids
+    with pytest.raises(ValueError, match="needs a grammar"):
+        engine.add(Request(ids, 5, grammar_trigger="x"))
+
+
 def test_real_model_answers_in_json(default_model):
     """SmolLM2 asked for a city as JSON: any JSON object (OpenAI's json_object mode), then a schema
     with typed fields and nothing else, each a complete answer that parses and has those types."""
