@@ -33,15 +33,16 @@ from errors import SEED, error_boundary, finite_float, int_in, positive_int
 from load import DEFAULT_CHECKPOINT, PRECISIONS, add_placement_flags, log, placement
 from packed_cache import load_with_tokenizer
 from structured import json_grammar
+from tools import Tools, ToolStream, encode_conversation, read_messages
 
 MAX_BODY_BYTES = 1 << 20  # larger bodies get 413: no prompt the context holds is that long
 MAX_N = 16
 MAX_STOP = 16
 # Accepted and ignored: they change nothing a local model does.
-IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
+IGNORED = {"user", "metadata", "store", "service_tier", "stream_options"}
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                "stop", "n", "stream", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
-               "functions", "logit_bias", "frequency_penalty", "presence_penalty"} | IGNORED
+               "parallel_tool_calls", "functions", "logit_bias", "frequency_penalty", "presence_penalty"} | IGNORED
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
                      "logprobs", "echo", "suffix", "best_of", "logit_bias", "frequency_penalty",
                      "presence_penalty", "response_format"} | IGNORED  # response_format: as vLLM's
@@ -84,9 +85,8 @@ def sampling_fields(body: dict, allowed: set) -> dict:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise APIError(400, f"unrecognized request argument {unknown[0]!r}", param=unknown[0])
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise APIError(400, f"'{name}' is not supported by this server", param=name)
+    if body.get("functions"):
+        raise APIError(400, "'functions' (OpenAI's deprecated form) is not supported; pass 'tools'", param="functions")
     bias = get(body, "logit_bias", "object", {})
     if not all(k.isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in bias.items()):
         raise APIError(400, "'logit_bias' must map token ids (as strings) to numbers between -100 and 100",
@@ -108,58 +108,66 @@ def sampling_fields(body: dict, allowed: set) -> dict:
         frequency_penalty=get(body, "frequency_penalty", "number", 0.0, lambda v: -2 <= v <= 2, "between -2 and 2"),
         presence_penalty=get(body, "presence_penalty", "number", 0.0, lambda v: -2 <= v <= 2, "between -2 and 2"),
         logit_bias={int(k): v for k, v in bias.items()} or None,
-        grammar=response_grammar(body),
+        response_schema=response_schema(body),
         stream=get(body, "stream", "bool", False),
         include_usage=bool((options or {}).get("include_usage")),
     )
 
 
-def response_grammar(body: dict) -> Optional[str]:
-    """response_format -> the grammar the answer's text must follow (None: free text)."""
+def response_schema(body: dict) -> Optional[dict]:
+    """response_format -> the JSON schema the answer must follow (None: free text)."""
     fmt = get(body, "response_format", "object", {})
     kind = fmt.get("type", "text")
     if kind == "text":
         return None
     if kind == "json_object":
-        schema = None
+        return {"type": "object"}
     elif kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise APIError(400, "'response_format.json_schema' must be an object holding the JSON schema as 'schema'",
                            param="response_format")
-        schema = spec.get("schema", {})
-    else:
-        raise APIError(400, "'response_format' must be of type text, json_object or json_schema, got "
-                            f"{json.dumps(kind)[:50]}", param="response_format")
+        return spec.get("schema", {})
+    raise APIError(400, "'response_format' must be of type text, json_object or json_schema, got "
+                        f"{json.dumps(kind)[:50]}", param="response_format")
+
+
+def answer_grammar(params: dict, tools: Optional[Tools]) -> tuple:
+    """-> (the grammar an answer follows: the tools' calls and/or response_format's schema, None
+    where it is free; the text that starts it, None: from the first token)."""
+    schema = params["response_schema"]
     try:
-        return json_grammar(schema)
+        if tools is not None:
+            return tools.grammar(schema)
+        return (json_grammar(schema) if schema is not None else None), None
     except ValueError as e:
-        raise APIError(400, str(e), param="response_format") from None
+        raise APIError(400, str(e), param="tools" if tools is not None else "response_format") from None
 
 
-def chat_prompt(body: dict, tokenizer) -> list:
+def read_tools(body: dict, tokenizer) -> Optional[Tools]:
+    """tools / tool_choice / parallel_tool_calls -> Tools (None: no call may be made)."""
+    parallel = get(body, "parallel_tool_calls", "bool", True)
+    if body.get("tools") is not None and tokenizer.chat_template is None:
+        raise APIError(400, "this model has no chat template; use /v1/completions")
+    try:
+        return Tools.read(body.get("tools"), body.get("tool_choice"), parallel, tokenizer)
+    except ValueError as e:
+        param = "tools" if str(e).startswith(("'tools'", "tools[")) else "tool_choice"
+        raise APIError(400, str(e), param=param) from None
+
+
+def chat_prompt(body: dict, tokenizer, tools: Optional[Tools] = None) -> list:
     messages = get(body, "messages", "list")
     if not messages:
         raise APIError(400, "'messages' is required: a non-empty list of {role, content} objects", param="messages")
-    plain = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-            raise APIError(400, f"messages[{i}] must be an object with a role of system, developer, user or "
-                                "assistant", param=f"messages[{i}]")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", param=f"messages[{i}]")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
-                           param=f"messages[{i}]")
-        plain.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    try:
+        messages = read_messages(messages)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
     if tokenizer.chat_template is None:
         raise APIError(400, "this model has no chat template; use /v1/completions")
     try:
-        return tokenizer.encode_chat(plain)
+        return encode_conversation(tokenizer, messages, tools)
     except Exception as e:  # the checkpoint's own template refused these messages (jinja2 raises many kinds)
         raise APIError(400, f"the chat template could not format these messages: {e}", param="messages") from None
 
@@ -254,7 +262,7 @@ class Server:
                                   top_k=params["top_k"], top_p=params["top_p"], seed=seed, stop=params["stop"],
                                   frequency_penalty=params["frequency_penalty"],
                                   presence_penalty=params["presence_penalty"], logit_bias=params["logit_bias"],
-                                  grammar=params["grammar"],
+                                  grammar=params["grammar"], grammar_trigger=params["grammar_trigger"],
                                   logprobs=logprobs, prompt_logprobs=logprobs if score_prompt else None,
                                   on_output=on_output)
                 try:
@@ -364,17 +372,16 @@ def make_app(server: Server):
         try:
             body = await read_body(request)
             params = sampling_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+            tools = None
             if chat:
-                if body.get("tool_choice") not in (None, "none"):
-                    raise APIError(400, "'tool_choice' is not supported by this server (tools are not)",
-                                   param="tool_choice")
+                tools = read_tools(body, server.tokenizer)
                 want = get(body, "logprobs", "bool", False)
                 top = get(body, "top_logprobs", "int", None, lambda v: 0 <= v <= 20, "between 0 and 20")
                 if top is not None and not want:
                     raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
                 logprobs = (top or 0) if want else None
                 max_tokens = get(body, "max_completion_tokens", "int") or get(body, "max_tokens", "int")
-                prompts = [chat_prompt(body, server.tokenizer)]
+                prompts = [chat_prompt(body, server.tokenizer, tools)]
                 echo = score_only = False
             else:
                 logprobs = get(body, "logprobs", "int", None, lambda v: 0 <= v <= 20, "between 0 and 20")
@@ -389,6 +396,7 @@ def make_app(server: Server):
             if max_tokens is not None and max_tokens < 1 and not score_only:
                 raise APIError(400, f"'max_tokens' must be at least 1 (0 only with echo), got {max_tokens}",
                                param="max_tokens")
+            params["grammar"], params["grammar_trigger"] = answer_grammar(params, tools)
             if server.stop.is_set():
                 raise APIError(503, "the server is shutting down", kind="server_error")
             ids, queue = server.submit(prompts, params, 1 if score_only else max_tokens, logprobs, score_prompt=echo)
@@ -419,28 +427,48 @@ def make_app(server: Server):
             prompt_scored[c] = True
             return [(prompts[c // n][0], None, None), *out.prompt_logprobs, *out.logprobs]
 
+        def call_reason(reason: str, calls: list) -> str:
+            """OpenAI's finish_reason for an answer that made calls: "tool_calls", or "stop" where
+            tool_choice named the function."""
+            return "tool_calls" if calls and reason == "stop" and tools.choice in ("auto", "required") else reason
+
         if params["stream"]:
             async def events():
                 extra = {"usage": None} if params["include_usage"] else {}
                 if chat:
                     for c in range(len(ids)):
-                        yield json.dumps({**base, "choices": [{"index": c, "delta": {"role": "assistant", "content": ""},
+                        # content null where the answer may be calls alone, as OpenAI's first chunk has it
+                        first = {"role": "assistant", "content": "" if tools is None else None}
+                        yield json.dumps({**base, "choices": [{"index": c, "delta": first,
                                                                 "logprobs": None, "finish_reason": None}], **extra})
                 sent_text = [False] * len(ids)
+                streams = [ToolStream(tools) for _ in ids] if tools is not None else None
                 completion_tokens = 0
                 async for c, out in outputs(request, ids, queue):
                     out = shown(out)
                     completion_tokens += len(out.token_ids)
                     cached[c] = out.cached_tokens
-                    text = out.text
+                    text, reason = out.text, out.finish_reason
                     if not sent_text[c] and prefix[c]:
                         text, sent_text[c] = prefix[c] + text, True
-                    if not text and out.finish_reason is None and logprobs is None:
+                    if streams is not None:  # text that may be a call is held until the answer is read
+                        text = streams[c].feed(text)
+                        if reason is not None:
+                            rest, calls = streams[c].finish()
+                            text += rest
+                            reason = call_reason(reason, calls)
+                            if calls:  # in a chunk of their own before the last, as OpenAI sends them
+                                delta = {"content": text} if text else {}
+                                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                                yield json.dumps({**base, "choices": [{"index": c, "delta": delta, "logprobs": None,
+                                                                       "finish_reason": None}], **extra})
+                                text = ""
+                    if not text and reason is None and logprobs is None:
                         continue
                     if chat:
                         choice = {"index": c, "delta": {"content": text} if text else {},
                                   "logprobs": {"content": chat_logprobs(out)} if logprobs is not None else None,
-                                  "finish_reason": out.finish_reason}
+                                  "finish_reason": reason}
                     else:
                         choice = {"index": c, "text": text, "finish_reason": out.finish_reason,
                                   "logprobs": completion_logprobs(scored(c, out), 0) if logprobs is not None else None}
@@ -467,8 +495,16 @@ def make_app(server: Server):
         if any(r is None for r in reasons):  # the client went away
             return PlainTextResponse("", status_code=499)
         if chat:
-            choices = [{"index": c, "message": {"role": "assistant", "content": texts[c]}, "finish_reason": reasons[c],
-                        "logprobs": {"content": lps[c]} if logprobs is not None else None} for c in range(len(ids))]
+            choices = []
+            for c in range(len(ids)):
+                message, reason = {"role": "assistant", "content": texts[c]}, reasons[c]
+                if tools is not None:
+                    content, calls = tools.parse(texts[c])
+                    if calls:
+                        message = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
+                        reason = call_reason(reason, calls)
+                choices.append({"index": c, "message": message, "finish_reason": reason,
+                                "logprobs": {"content": lps[c]} if logprobs is not None else None})
         else:
             choices = [{"index": c, "text": texts[c], "finish_reason": reasons[c],
                         "logprobs": merge_completion_logprobs(lps[c]) if logprobs is not None else None}
@@ -496,7 +532,7 @@ def make_app(server: Server):
         try:
             body = await read_body(request)
             if "messages" in body:
-                ids = chat_prompt(body, server.tokenizer)
+                ids = chat_prompt(body, server.tokenizer, read_tools(body, server.tokenizer))
             else:
                 text = get(body, "prompt", "string")
                 if text is None:

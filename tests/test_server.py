@@ -189,6 +189,11 @@ def test_structured_outputs(client):
         "response_format": {"type": "json_schema", "json_schema": {"name": "yn", "schema": {"enum": ["yes", "no"]}}}})
     assert json.loads(r.choices[0].text) in ("yes", "no") and r.choices[0].finish_reason == "stop"
 
+TOOL = {"type": "function", "function": {"name": "pick", "description": "Pick a colour's number", "parameters": {
+    "type": "object", "properties": {"color": {"enum": ["red", "blue"]}, "n": {"type": "integer", "minimum": 0,
+                                                                            "maximum": 9}}, "required": ["color"]}}}
+
+
 def test_loadgen_smoke(server, capsys):
     """scripts/loadgen.py (the server benchmark's client) runs against this server: clients behind a
     shared system prompt, every request answered (its timings are the benchmark's, not asserted)."""
@@ -313,7 +318,25 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 100}, 400, "'n'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
-     "'tools' is not supported"),
+     "tools[0] must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL, TOOL]}, 400,
+     "given twice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
+     "needs 'tools'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "fly"}}}, 400, "not among 'tools'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "any"},
+     400, "'tool_choice' must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [TOOL["function"]]}, 400,
+     "pass 'tools'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
+                              "parallel_tool_calls": "no"}, 400, "type bool"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
+                              "tool_calls": [{"id": "1", "type": "function", "function": {
+                                  "name": "pick", "arguments": "{oops"}}]}]}, 400, "not a JSON object"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": 5}]}, 400,
+     "messages[1].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "xml"}}, 400, "text, json_object or json_schema"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {

@@ -1,0 +1,341 @@
+"""Tool calling (tools.py; the server's `tools` / `tool_choice`): the prompt as transformers renders
+the same template with the same tools, the calls held to the tools' schemas and read back, the
+text streamed before a call; SmolLM2 calls the right tool; the official client end to end."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import make_hf_model, save_and_convert, save_tokenizer
+from decode import generate
+from engine import Engine, Request
+from load import load_model
+from tokenizer import load_tokenizer
+from tools import JSON, SYSTEM_PROMPT, Tools, ToolStream, encode_conversation, read_messages
+
+# Templates written for these tests in the two ways models are taught to call tools: hermes tags
+# (Qwen2.5 / Qwen3, Hermes) and a bare JSON object with "parameters" (Llama 3.x); and one that
+# knows no tools (as SmolLM2's).
+HERMES_TEMPLATE = """{%- if tools %}system: {% if messages[0].role == 'system' %}{{ messages[0].content }} {% endif %}Tools:
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}Call one as <tool_call>
+{"name": ..., "arguments": ...}
+</tool_call>
+{% elif messages[0].role == 'system' %}system: {{ messages[0].content }}
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}{{ m.role }}: {{ m.content }}
+{% elif m.role == 'assistant' %}assistant: {{ m.content }}
+{%- for c in m.tool_calls or [] %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>{% endfor %}
+{% elif m.role == 'tool' %}tool ({{ m.name }}): {{ m.content }}
+{% endif %}
+{%- endfor %}{% if add_generation_prompt %}assistant:{% endif %}"""
+
+JSON_TEMPLATE = """{%- if tools %}system: Answer a call as {"name": function name, "parameters": its arguments}. Tools:
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}
+{%- endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' and m.tool_calls %}assistant: {"name": "{{ m.tool_calls[0].function.name }}", "parameters": {{ m.tool_calls[0].function.arguments | tojson }}}
+{% else %}{{ m.role }}: {{ m.content }}
+{% endif %}
+{%- endfor %}{% if add_generation_prompt %}assistant:{% endif %}"""
+
+PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant:{% endif %}")
+
+# Bounded everywhere, so that even a random model's call must end; descriptions with the
+# characters jinja2's own tojson would escape.
+PICK = {"type": "function", "function": {"name": "pick", "description": "Pick a colour's <number> & shade",
+                                         "parameters": {"type": "object", "required": ["color", "n"], "properties": {
+                                             "color": {"enum": ["red", "blue"]},
+                                             "n": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
+COUNT = {"type": "function", "function": {"name": "count", "parameters": {
+    "type": "object", "required": ["k"], "properties": {"k": {"type": "integer", "minimum": 1, "maximum": 3}}}}}
+
+CONVERSATION = [  # OpenAI's messages: a call, its result, a question after it
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Pick one."},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "pick", "arguments": '{"color": "red", "n": 3}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "ok"},
+    {"role": "user", "content": "Again?"},
+]
+
+
+def follows_schema(call: dict) -> bool:
+    """A call's arguments checked by hand against PICK or COUNT, independently of the grammar."""
+    args = json.loads(call["function"]["arguments"])
+    if call["function"]["name"] == "pick":
+        return set(args) == {"color", "n"} and args["color"] in ("red", "blue") and \
+            type(args["n"]) is int and 0 <= args["n"] <= 9
+    return call["function"]["name"] == "count" and set(args) == {"k"} and type(args["k"]) is int and \
+        1 <= args["k"] <= 3
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random model with room for a prompt that lists tools (the tiny tokenizer spells JSON in many tokens)."""
+    d = tmp_path_factory.mktemp("tools")
+    hf_tokenizer = save_tokenizer(d / "hf")
+    path = save_and_convert(make_hf_model("llama31", vocab_size=320, eos_token_id=0, max_position_embeddings=2048), d)
+    return path, load_model(path), hf_tokenizer
+
+
+def tokenizer_with(path, template):
+    tokenizer = load_tokenizer(path.parent)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+@pytest.mark.parametrize("template", [HERMES_TEMPLATE, JSON_TEMPLATE], ids=["hermes", "json"])
+def test_prompt_is_what_transformers_renders(tiny, template):
+    """A template that takes tools: the prompt the server builds from OpenAI's messages equals
+    transformers' apply_chat_template of the same template, tools and conversation (the calls'
+    arguments as objects, as transformers documents them)."""
+    path, _, hf_tokenizer = tiny
+    tokenizer = tokenizer_with(path, template)
+    ours = encode_conversation(tokenizer, read_messages(CONVERSATION), Tools.read([PICK, COUNT], None, True, tokenizer))
+    messages = json.loads(json.dumps(CONVERSATION))
+    messages[2]["content"] = ""
+    messages[2]["tool_calls"][0]["function"]["arguments"] = {"color": "red", "n": 3}
+    messages[3]["name"] = "pick"
+    theirs = hf_tokenizer.apply_chat_template(messages, tools=[PICK, COUNT], chat_template=template, tokenize=False,
+                                              add_generation_prompt=True)
+    assert "<number> & shade" in theirs and "colour's" in theirs
+    assert ours == tokenizer.encode(theirs, bos=False)
+
+
+def test_prompt_for_a_template_without_tools(tiny):
+    """A template that knows no tools: the tools in the system message, the call as hermes text in
+    the assistant's turn, the result as a user turn; rendered by transformers from those messages."""
+    path, _, hf_tokenizer = tiny
+    tokenizer = tokenizer_with(path, PLAIN_TEMPLATE)
+    conversation = read_messages(CONVERSATION)
+    ours = encode_conversation(tokenizer, conversation, Tools.read([PICK, COUNT], "auto", True, tokenizer))
+    listing = json.dumps(PICK, ensure_ascii=False) + "\n" + json.dumps(COUNT, ensure_ascii=False)
+    messages = [
+        {"role": "system", "content": "Be brief.\n\n" + SYSTEM_PROMPT.format(tools=listing)},
+        {"role": "user", "content": "Pick one."},
+        {"role": "assistant", "content": '<tool_call>\n{"name": "pick", "arguments": {"color": "red", "n": 3}}\n'
+                                         '</tool_call>'},
+        {"role": "user", "content": "<tool_response>\nok\n</tool_response>"},
+        {"role": "user", "content": "Again?"},
+    ]
+    theirs = hf_tokenizer.apply_chat_template(messages, chat_template=PLAIN_TEMPLATE, tokenize=False,
+                                              add_generation_prompt=True)
+    assert ours == tokenizer.encode(theirs, bos=False)
+    # tool_choice "none": no tools in the prompt, the history still written as text.
+    assert Tools.read([PICK], "none", True, tokenizer) is None
+    theirs = hf_tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."}, *messages[1:]],
+                                              chat_template=PLAIN_TEMPLATE, tokenize=False, add_generation_prompt=True)
+    assert encode_conversation(tokenizer, conversation) == tokenizer.encode(theirs, bos=False)
+
+
+def hermes_tools(tokenizer, choice="auto", parallel=True) -> Tools:
+    return Tools.read([PICK, COUNT], choice, parallel, tokenizer)
+
+
+def test_parse_hermes(tiny):
+    tools = hermes_tools(tokenizer_with(tiny[0], HERMES_TEMPLATE))
+    text = ('Let me see.\n<tool_call>\n{"name": "pick", "arguments": {"color": "red", "n": 3}}\n</tool_call>\n'
+            '<tool_call>{"name": "count", "arguments": "{\\"k\\": 2}"}</tool_call>')
+    content, calls = tools.parse(text)
+    assert content == "Let me see.\n\n"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("pick", {"color": "red", "n": 3}), ("count", {"k": 2})]
+    assert len({c["id"] for c in calls}) == 2 and all(c["type"] == "function" for c in calls)
+    # Cut off inside a second call (max_tokens): the first stands.
+    assert len(tools.parse(text[:-30])[1]) == 1
+    # A call that does not parse, or names no tool: the answer is text.
+    for bad in ['<tool_call>{"name": "pick", "arguments": {</tool_call>', '<tool_call>{"name": "fly"}</tool_call>',
+                '<tool_call>{"name": "pick", "arguments": [1]}</tool_call>', "no call here"]:
+        assert tools.parse(bad) == (bad, [])
+    # parallel_tool_calls false: one call.
+    one = hermes_tools(tokenizer_with(tiny[0], HERMES_TEMPLATE), parallel=False)
+    assert len(one.parse(text)[1]) == 1
+
+
+def test_parse_json_style(tiny):
+    tools = Tools.read([PICK, COUNT], "auto", True, tokenizer_with(tiny[0], JSON_TEMPLATE))
+    assert tools.style == JSON and tools.arguments_key == "parameters"
+    content, [call] = tools.parse(' {"name": "count", "parameters": {"k": 1}}')
+    assert call["function"] == {"name": "count", "arguments": '{"k": 1}'} and content == ""
+    assert len(tools.parse('[{"name": "count", "arguments": {"k": 1}}, {"name": "pick", "arguments": {}}]')[1]) == 2
+    assert tools.parse("The answer is {1}") == ("The answer is {1}", [])
+
+
+def test_stream_shows_the_text_before_a_call(tiny):
+    """Fed a few characters at a time: the text before the call is shown as it comes, nothing of the
+    call is, and what is shown plus the rest at the end is the text outside the calls."""
+    tools = hermes_tools(tokenizer_with(tiny[0], HERMES_TEMPLATE))
+    text = 'Sure <tool thing> here.\n<tool_call>\n{"name": "count", "arguments": {"k": 2}}\n</tool_call>\nBye'
+    for step in (1, 3, 7):
+        stream = ToolStream(tools)
+        shown = [stream.feed(text[i:i + step]) for i in range(0, len(text), step)]
+        rest, calls = stream.finish()
+        assert "".join(shown) == "Sure <tool thing> here.\n" and rest == "\nBye" and len(calls) == 1
+        assert shown[0] == text[:step].split("<")[0]  # text comes out as it arrives; "<t" waits: a tag's start?
+    stream = ToolStream(tools)  # a text that only looks like a tag's start at its end
+    assert stream.feed("x <tool_ca") == "x " and stream.finish() == ("<tool_ca", [])
+    forced = ToolStream(hermes_tools(tokenizer_with(tiny[0], HERMES_TEMPLATE), "required"))
+    assert forced.feed("<tool_call>\n{") == ""
+
+
+def token_ids(tokenizer, text):
+    return tokenizer.encode(text, bos=False)
+
+
+def test_auto_grammar_holds_calls_after_the_tag(tiny):
+    """tool_choice auto: the grammar starts where the model writes <tool_call> (engine.py's
+    grammar_trigger; tests/test_structured.py: the text before it is the free answer); from there
+    each call must name a tool and match its parameters, and nothing but calls follows
+    (checked on llguidance's matcher, token by token)."""
+    from structured import Constraint, TokenTable
+    path, model, _ = tiny
+    tokenizer = tokenizer_with(path, HERMES_TEMPLATE)
+    table = TokenTable(tokenizer, model.config.vocab_size)
+
+    def accepted(tools, text):
+        grammar, trigger = tools.grammar()
+        assert trigger == "<tool_call>"
+        constraint = Constraint(table, grammar)
+        for t in token_ids(tokenizer, text):
+            if not constraint.allowed("cpu")[t]:
+                return False
+            constraint.take(t)
+        return True
+
+    call = '\n{"name": "pick", "arguments": {"color": "blue", "n": 7}}\n</tool_call>'
+    second = '\n<tool_call>{"name": "count", "arguments": {"k": 2}}</tool_call>'
+    tools, one = hermes_tools(tokenizer), hermes_tools(tokenizer, parallel=False)
+    assert accepted(tools, call) and accepted(tools, call + second) and accepted(one, call)
+    assert not accepted(one, call + second) and not accepted(tools, call + " and then")
+    assert not accepted(tools, '\n{"name": "pick", "arguments": {"color": "green", "n": 7}}')
+    assert not accepted(tools, '\n{"name": "pick", "arguments": {"color": "red", "n": 7, "x": 1}}')
+    assert not accepted(tools, '\n{"name": "fly", "arguments": {}}')
+
+
+@pytest.mark.parametrize("template", [HERMES_TEMPLATE, JSON_TEMPLATE, PLAIN_TEMPLATE], ids=["hermes", "json", "none"])
+def test_forced_calls_follow_the_schemas(tiny, template):
+    """tool_choice "required" and a named function: a random model's answers, greedy and sampled,
+    batched beside a free request (which stays as it was alone), are calls that parse and follow
+    the tools' schemas, checked by hand."""
+    path, model, _ = tiny
+    tokenizer = tokenizer_with(path, template)
+    required = Tools.read([PICK, COUNT], "required", False, tokenizer)
+    named = Tools.read([PICK, COUNT], {"type": "function", "function": {"name": "count"}}, True, tokenizer)
+    ids = tokenizer.encode_chat(required.messages([{"role": "user", "content": "Pick one."}]),
+                                tools=required.template_tools)
+    free = token_ids(tokenizer, "Paris is the capital of")
+    requests = [Request(ids, 400, grammar=required.grammar()[0]), Request(ids, 400, grammar=named.grammar()[0]),
+                Request(ids, 400, temperature=1.0, seed=5, grammar=required.grammar()[0]), Request(free, 10)]
+    results = Engine(model, tokenizer, max_batch_size=4, max_seq_length=2048).generate(requests)
+    for tools, out in zip([required, named, required], results):
+        content, calls = tools.parse(out.text)
+        assert out.finish_reason == "stop" and content.strip() == "" and len(calls) == 1, out.text
+        assert follows_schema(calls[0]), calls
+    assert tools.parse(results[1].text)[1][0]["function"]["name"] == "count"
+    alone = generate(model, torch.tensor(free), 10, eos_ids=tokenizer.eos_ids)[0, len(free):].tolist()
+    assert results[3].token_ids == alone[:len(results[3].token_ids)]
+
+
+def test_real_model_calls_the_right_tool(default_model):
+    """SmolLM2 (its template knows no tools: they come in the system message) asked the weather and
+    a sum, with tool_choice "required": it picks the right tool and fills in the arguments."""
+    from packed_cache import load_with_tokenizer
+    model, tokenizer = load_with_tokenizer(default_model, "cpu", torch.float32)
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}}
+    add = {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
+        "type": "object", "required": ["a", "b"], "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}
+    tools = Tools.read([weather, add], "required", False, tokenizer)
+    engine = Engine(model, tokenizer, max_batch_size=2, max_seq_length=1024)
+    questions = ["What is the weather like in Paris today?", "What is 17 plus 25?"]
+    requests = [Request(tokenizer.encode_chat(tools.messages([{"role": "user", "content": q}])), 60,
+                        grammar=tools.grammar()[0]) for q in questions]
+    calls = [tools.parse(out.text)[1] for out in engine.generate(requests)]
+    assert [c[0]["function"]["name"] for c in calls] == ["get_weather", "add"]
+    assert "Paris" in json.loads(calls[0][0]["function"]["arguments"])["city"]
+    assert json.loads(calls[1][0]["function"]["arguments"]) == {"a": 17, "b": 25}
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the server and the official client
+
+@pytest.fixture(scope="module", params=["hermes", "none"])
+def tool_server(request, tiny, tmp_path_factory):
+    """The server on the tiny model, its template taking tools (hermes) or not."""
+    from test_server import KEY, start_server, stop_server
+    path = tiny[0]
+    d = tmp_path_factory.mktemp(f"server-{request.param}")
+    for f in path.parent.iterdir():
+        if f.is_file():
+            shutil.copy(f, d / f.name)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    template = HERMES_TEMPLATE if request.param == "hermes" else PLAIN_TEMPLATE
+    (d / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=template)))
+    proc, url = start_server(d / path.name, "--api_key", KEY, "--max_batch_size", "2", "--max_seq_length", "2048",
+                             "--model_name", "tiny")
+    yield url, d / path.name
+    stop_server(proc)
+
+
+def test_tool_calls_through_the_client(tool_server):
+    """The official client, whose pydantic parses each call's arguments: calls held to the tools'
+    schemas, streamed or not; a tool's result sent back; with tool_choice "auto" an answer that makes
+    no call is the plain generation of the same prompt."""
+    from typing import Literal
+    import httpx
+    import openai
+    from pydantic import BaseModel, Field
+    from test_server import KEY
+
+    class Pick(BaseModel):  # bounded everywhere: a random model's call must end
+        color: Literal["red", "green", "blue"]
+        n: int = Field(ge=0, le=9)
+
+    class Count(BaseModel):
+        k: int = Field(ge=1, le=3)
+
+    url, checkpoint = tool_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    tools = [openai.pydantic_function_tool(Pick), openai.pydantic_function_tool(Count)]
+    question = [{"role": "user", "content": "What colour is the sky?"}]
+    r = client.chat.completions.parse(model="tiny", messages=question, tools=tools, tool_choice="required",
+                                      parallel_tool_calls=False, max_tokens=400, temperature=0)
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and message.content is None and len(message.tool_calls) == 1
+    assert isinstance(message.tool_calls[0].function.parsed_arguments, (Pick, Count))
+    assert message.tool_calls[0].id.startswith("call_")
+
+    with client.chat.completions.stream(model="tiny", messages=question, tools=tools, max_tokens=400, seed=3,
+                                        tool_choice={"type": "function", "function": {"name": "Count"}}) as stream:
+        kinds = {type(event).__name__ for event in stream}
+        final = stream.get_final_completion()
+    assert "FunctionToolCallArgumentsDoneEvent" in kinds and "ContentDeltaEvent" not in kinds
+    assert final.choices[0].finish_reason == "stop"  # OpenAI's reason where tool_choice names the function
+    [call] = final.choices[0].message.tool_calls
+    assert call.function.name == "Count" and isinstance(call.function.parsed_arguments, Count)
+
+    # The call and its result sent back (test_prompt_*: how the template gets them).
+    history = [*question, message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "done"}]
+    r = client.chat.completions.create(model="tiny", messages=history, tools=tools, max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+    # auto: the text is free until a call opens, so a random model's answer is what it says unconstrained.
+    ids = httpx.post(url + "/tokenize", json={"messages": question, "tools": [PICK]},
+                     headers={"Authorization": f"Bearer {KEY}"}).json()["tokens"]
+    model, tokenizer = load_model(checkpoint), load_tokenizer(checkpoint.parent)
+    alone = generate(model, torch.tensor(ids), 12, eos_ids=tokenizer.eos_ids)[0, len(ids):].tolist()
+    alone = tokenizer.decode(alone[:alone.index(0)] if 0 in alone else alone)
+    r = client.chat.completions.create(model="tiny", messages=question, tools=[PICK], max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == alone and not r.choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(model="tiny", messages=question, tools=[PICK], max_tokens=12,
+                                                 temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == alone

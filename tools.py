@@ -1,0 +1,365 @@
+# Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
+"""Tool calling as OpenAI's chat API has it (`tools`, `tool_choice`, `parallel_tool_calls`): the
+tools written into the prompt, the answer held to their schemas, the calls read back out of it.
+
+How a model calls tools is what its chat template taught it:
+- a template that reads `tools` (Qwen2.5 / Qwen3, Llama 3.1-3.3, Hermes, Mistral, ...) is given
+  them as transformers gives them, with the conversation's tool calls and results as they come;
+  the model answers in the format the template shows: `<tool_call>{"name": ..., "arguments": ...}
+  </tool_call>` blocks ("hermes", wherever the template writes that tag), or else one bare JSON
+  object (Llama 3.x's `{"name": ..., "parameters": ...}`);
+- a template that knows no tools (SmolLM2, Gemma, ...) gets them in a system message that asks for
+  the hermes format, its assistant calls as that text and the results as user turns.
+
+The calls are held to the tools' JSON schemas by a grammar (structured.py, llguidance): with
+`tool_choice` "required" or a named function the answer is calls from its first token; with
+"auto" (hermes) the text is free, nothing masked, until the model writes `<tool_call>`, and from
+there each call must name a tool and match its parameters (a lazy grammar, engine.py's
+grammar_trigger, as llama.cpp's server does it), so a call read back parses.
+
+    tools = Tools.read(body["tools"], body.get("tool_choice"), True, tokenizer)
+    ids = tokenizer.encode_chat(tools.messages(messages), tools=tools.template_tools)
+    grammar, trigger = tools.grammar()
+    Request(ids, 256, grammar=grammar, grammar_trigger=trigger)
+    content, calls = tools.parse(answer_text)
+"""
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+from structured import WHITESPACE, lark_grammar
+
+HERMES, JSON = "hermes", "json"
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+# For a template without tools: the hermes format, which many instruction-tuned models have seen.
+SYSTEM_PROMPT = """You can call functions to help answer. Their signatures, as JSON schemas:
+<tools>
+{tools}
+</tools>
+To call a function, answer with one block per call and nothing else:
+<tool_call>
+{{"name": <function name>, "arguments": <the arguments as a JSON object>}}
+</tool_call>
+Each result comes back in <tool_response></tool_response> tags. Answer in plain text when no call is needed."""
+
+
+def closed(schema: dict) -> dict:
+    """A function's parameters, with no arguments beyond those it names unless it says otherwise:
+    JSON Schema's default (any other key allowed) lets a model invent arguments that no function
+    takes (OpenAI's strict mode wants every object closed too)."""
+    if "properties" in schema and "additionalProperties" not in schema:
+        return {**schema, "additionalProperties": False}
+    return schema
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def read_tool_list(tools) -> list:
+    """OpenAI's `tools` -> the same entries, checked; a ValueError naming the first fault."""
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("'tools' must be a non-empty list of {\"type\": \"function\", \"function\": {...}} objects")
+    names = set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", fn["name"]):
+            raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} with "
+                             "a name of 1-64 letters, digits, _ . or -")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        if not isinstance(fn.get("description", ""), str):
+            raise ValueError(f"tools[{i}].function.description must be a string")
+        if fn["name"] in names:
+            raise ValueError(f"tools[{i}]: the name {fn['name']!r} is given twice")
+        names.add(fn["name"])
+    return tools
+
+
+@dataclass
+class Tools:
+    """One request's tools: how they enter the prompt, the grammar of its answer, how it is read."""
+    specs: list            # OpenAI's tool entries
+    choice: str            # "auto", "required", or the one function's name that must be called
+    parallel: bool         # more than one call in an answer
+    native: bool           # the chat template takes `tools`
+    style: str             # HERMES or JSON
+    arguments_key: str = "arguments"
+    schemas: dict = field(init=False)  # function name -> its parameters' schema
+
+    def __post_init__(self):
+        self.schemas = {t["function"]["name"]: closed(t["function"].get("parameters") or {"type": "object"})
+                        for t in self.specs}
+
+    @classmethod
+    def read(cls, tools, tool_choice, parallel: bool, tokenizer) -> Optional["Tools"]:
+        """The request's fields -> Tools, or None where no tool may be called (none given, or
+        tool_choice "none"). ValueError naming the fault."""
+        if tools is None:
+            if tool_choice not in (None, "none"):
+                raise ValueError("'tool_choice' needs 'tools'")
+            return None
+        specs = read_tool_list(tools)
+        if tool_choice in (None, "auto", "required"):
+            choice = tool_choice or "auto"
+        elif tool_choice == "none":
+            return None
+        elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and \
+                isinstance(tool_choice.get("function"), dict):
+            choice = tool_choice["function"].get("name")
+            if choice not in {t["function"]["name"] for t in specs}:
+                raise ValueError(f"'tool_choice' names the function {choice!r}, which is not among 'tools'")
+        else:
+            raise ValueError("'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                             "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        native = tokenizer.chat_template_takes("tools")
+        style = HERMES if not native or OPEN in tokenizer.chat_template else JSON
+        key = "parameters" if style == JSON and '"parameters"' in tokenizer.chat_template else "arguments"
+        return cls(specs, choice, parallel, native, style, key)
+
+    @property
+    def forced(self) -> bool:
+        return self.choice != "auto"
+
+    # -- the prompt --------------------------------------------------------------------------
+
+    @property
+    def template_tools(self) -> Optional[list]:
+        return self.specs if self.native else None
+
+    def messages(self, messages: list) -> list:
+        """The conversation as this template should see it (see template_messages), the tools in a
+        system message where the template takes none."""
+        messages = template_messages(messages, self.native)
+        if self.native:
+            return messages
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in self.specs)
+        prompt = SYSTEM_PROMPT.format(tools=listing)
+        if messages and messages[0]["role"] == "system":
+            return [{**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}, *messages[1:]]
+        return [{"role": "system", "content": prompt}, *messages]
+
+    # -- the answer's grammar ----------------------------------------------------------------
+
+    def call_schema(self, names: list) -> dict:
+        """One call to one of `names`, as the model writes it."""
+        options = [{"type": "object", "properties": {"name": {"const": n}, self.arguments_key: self.schemas[n]},
+                    "required": ["name", self.arguments_key], "additionalProperties": False} for n in names]
+        schema = options[0] if len(options) == 1 else {"anyOf": options}
+        return {**schema, "x-guidance": {"whitespace_pattern": WHITESPACE}}
+
+    def grammar(self, answer_schema: Optional[dict] = None) -> tuple:
+        """-> (a Lark grammar for llguidance, or None where the answer is free; the text that starts
+        it, or None where it holds from the first token): Request's grammar and grammar_trigger.
+        answer_schema: response_format's, which an answer without calls follows."""
+        names = [self.choice] if self.forced and self.choice != "required" else list(self.schemas)
+        call = f"%json {json.dumps(self.call_schema(names), ensure_ascii=False)}"
+        many = self.parallel and self.choice in ("auto", "required")
+        answer = None
+        if answer_schema is not None:
+            answer = "%json " + json.dumps({**answer_schema, "x-guidance": {"whitespace_pattern": WHITESPACE}},
+                                           ensure_ascii=False)
+        if self.style == JSON:  # one bare object: nothing marks where a call starts, so only a forced one is held
+            if self.forced:
+                return lark_grammar(f"start: {call}"), None
+            return (lark_grammar(f"start: {call} | {answer}"), None) if answer else (None, None)
+        calls = 'call ("\\n" call)*' if many else "call"
+        block = f'call: "{OPEN}\\n" {call} "\\n{CLOSE}"'
+        if self.forced:
+            return lark_grammar(f"start: {calls}\n{block}"), None
+        if answer:
+            return lark_grammar(f"start: {calls} | {answer}\n{block}"), None
+        # Free text until the model writes the tag (the engine starts the grammar there, as
+        # llama.cpp's lazy grammars do), then calls held to the schemas, and nothing after them.
+        rest = f'start: body (WS "{OPEN}" body)*' if many else "start: body"
+        return lark_grammar(f'{rest}\nbody: WS {call} WS "{CLOSE}"\nWS: /[ \\t\\n]{{0,4}}/'), OPEN
+
+    # -- reading the answer ------------------------------------------------------------------
+
+    def parse(self, text: str) -> tuple:
+        """An answer -> (its text outside the calls, the calls as OpenAI's tool_calls entries).
+        A call that does not parse or names no tool leaves the whole answer as text."""
+        found = self._hermes(text) if self.style == HERMES else self._json(text)
+        if found is None:
+            return text, []
+        outside, raw = found
+        calls = []
+        for obj in raw:
+            call = self._call(obj)
+            if call is None:
+                return text, []
+            calls.append(call)
+        if not self.parallel:
+            calls = calls[:1]
+        return outside, calls
+
+    def _hermes(self, text: str) -> Optional[tuple]:
+        blocks, outside, at = [], [], 0
+        while (i := text.find(OPEN, at)) >= 0:
+            outside.append(text[at:i])
+            j = text.find(CLOSE, i)
+            try:
+                blocks.append(json.loads(text[i + len(OPEN): j if j >= 0 else len(text)]))
+            except json.JSONDecodeError:
+                if j >= 0:
+                    return None
+                # An unclosed call that does not parse was cut off (max_tokens): the calls before it stand.
+            at = len(text) if j < 0 else j + len(CLOSE)
+        if not blocks:
+            return None
+        outside.append(text[at:])
+        return "".join(outside), blocks
+
+    def _json(self, text: str) -> Optional[tuple]:
+        body = text.strip()
+        if not body.startswith(("{", "[")):
+            return None
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        return "", obj if isinstance(obj, list) else [obj]
+
+    def _call(self, obj) -> Optional[dict]:
+        if not isinstance(obj, dict) or obj.get("name") not in self.schemas:
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        return {"id": new_call_id(), "type": "function",
+                "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+class ToolStream:
+    """A streamed answer's text as the client may see it while it comes: everything before a place
+    where a call may begin; the rest, and the calls, once the answer is complete."""
+
+    def __init__(self, tools: Tools):
+        self.tools, self.text, self.shown = tools, "", 0
+
+    def feed(self, delta: str) -> str:
+        """More of the answer -> the part of the text that may be shown now."""
+        self.text += delta
+        end = max(self._known_text(), self.shown)
+        out, self.shown = self.text[self.shown:end], end
+        return out
+
+    def _known_text(self) -> int:
+        """How much of the answer is known to be text, not a call."""
+        if self.tools.forced:
+            return 0
+        if self.tools.style == JSON:  # a call is the whole answer: its first character tells
+            head = self.text.lstrip()
+            return 0 if self.shown == 0 and (not head or head[0] in "{[") else len(self.text)
+        if (i := self.text.find(OPEN)) >= 0:
+            return i
+        for k in range(min(len(OPEN) - 1, len(self.text)), 0, -1):  # a tail that may be the tag's start
+            if self.text.endswith(OPEN[:k]):
+                return len(self.text) - k
+        return len(self.text)
+
+    def finish(self) -> tuple:
+        """-> (the text not shown yet, the calls)."""
+        outside, calls = self.tools.parse(self.text)
+        if not calls:
+            return self.text[self.shown:], []
+        return outside[self.shown:], calls
+
+
+def hermes_call(name: str, arguments: dict) -> str:
+    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}"
+
+
+def template_messages(messages: list, native: bool) -> list:
+    """Checked OpenAI messages -> what a chat template reads. A template that takes tools gets the
+    calls as transformers documents them (arguments as objects) and the results in their own role;
+    one that does not gets the calls as hermes text in the assistant's turn and the results as a
+    user turn (consecutive results in one)."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [(c, json.loads(c["function"]["arguments"])) for c in m["tool_calls"]]
+            if native:
+                m = {**m, "content": m.get("content") or "", "tool_calls": [
+                    {**c, "function": {**c["function"], "arguments": args}} for c, args in calls]}
+            else:
+                text = "\n".join(hermes_call(c["function"]["name"], args) for c, args in calls)
+                m = {"role": "assistant", "content": "\n".join(filter(None, [m.get("content"), text]))}
+        elif m["role"] == "tool" and not native:
+            text = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if out and out[-1]["role"] == "user" and out[-1]["content"].endswith("</tool_response>"):
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + text}
+                continue
+            m = {"role": "user", "content": text}
+        out.append(m)
+    return out
+
+
+def read_messages(messages: list) -> list:
+    """OpenAI's chat messages -> what the templating reads: {"role", "content"} with the text parts
+    joined, "developer" as "system", an assistant's tool_calls checked (arguments a JSON object's
+    text), a tool result with the name of the function it answers. ValueError naming the fault."""
+    out, names = [], {}  # tool call id -> its function's name, which some templates write beside a result
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise ValueError(f"messages[{i}] must be an object with a role of system, developer, user, assistant "
+                             "or tool")
+        role = "system" if m["role"] == "developer" else m["role"]
+        calls = m.get("tool_calls") if role == "assistant" else None
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ValueError(f"messages[{i}].content: only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str) and not (calls and content is None):
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        if calls:
+            calls = read_calls(calls, f"messages[{i}].tool_calls")
+            names.update((c["id"], c["function"]["name"]) for c in calls)
+            out.append({"role": role, "content": content, "tool_calls": calls})
+        elif role == "tool":
+            call_id = m.get("tool_call_id", "")
+            if not isinstance(call_id, str):
+                raise ValueError(f"messages[{i}].tool_call_id must be a string")
+            out.append({"role": role, "content": content, "tool_call_id": call_id, "name": names.get(call_id, "")})
+        else:
+            out.append({"role": role, "content": content})
+    return out
+
+
+def read_calls(calls, where: str) -> list:
+    if not isinstance(calls, list):
+        raise ValueError(f"{where} must be a list of tool calls")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise ValueError(f'{where}: each must be {{"id", "type": "function", "function": {{"name", "arguments"}}}} '
+                             "with the arguments as a JSON string")
+        try:
+            args = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            args = None
+        if not isinstance(args, dict):
+            raise ValueError(f"{where}: the arguments of {fn['name']!r} are not a JSON object's text")
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return out
+
+
+def encode_conversation(tokenizer, messages: list, tools: Optional[Tools] = None) -> list:
+    """Messages (read_messages') -> prompt token ids, with the tools that may be called (None: none,
+    though the conversation may hold earlier calls and their results)."""
+    if tools is not None:
+        return tokenizer.encode_chat(tools.messages(messages), tools=tools.template_tools)
+    return tokenizer.encode_chat(template_messages(messages, tokenizer.chat_template_takes("tools")))
