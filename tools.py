@@ -55,6 +55,15 @@ def closed(schema: dict) -> dict:
     return schema
 
 
+def takes_system(tokenizer) -> bool:
+    """Whether the chat template writes a system message rather than refusing it."""
+    try:
+        tokenizer.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+        return True
+    except ValueError:
+        return False
+
+
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
@@ -89,6 +98,7 @@ class Tools:
     native: bool           # the chat template takes `tools`
     style: str             # HERMES or JSON
     arguments_key: str = "arguments"
+    system: bool = True    # the chat template takes a system message (Gemma 2's refuses one)
     schemas: dict = field(init=False)  # function name -> its parameters' schema
 
     def __post_init__(self):
@@ -119,7 +129,7 @@ class Tools:
         native = tokenizer.chat_template_takes("tools")
         style = HERMES if not native or OPEN in tokenizer.chat_template else JSON
         key = "parameters" if style == JSON and '"parameters"' in tokenizer.chat_template else "arguments"
-        return cls(specs, choice, parallel, native, style, key)
+        return cls(specs, choice, parallel, native, style, key, native or takes_system(tokenizer))
 
     @property
     def forced(self) -> bool:
@@ -139,8 +149,11 @@ class Tools:
             return messages
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in self.specs)
         prompt = SYSTEM_PROMPT.format(tools=listing)
-        if messages and messages[0]["role"] == "system":
-            return [{**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}, *messages[1:]]
+        first = messages[0] if messages else {}
+        if first.get("role") == "system":
+            return [{**first, "content": first["content"] + "\n\n" + prompt}, *messages[1:]]
+        if first.get("role") == "user" and not self.system:  # before the question, as Gemma 3 puts a system text
+            return [{**first, "content": prompt + "\n\n" + first["content"]}, *messages[1:]]
         return [{"role": "system", "content": prompt}, *messages]
 
     # -- the answer's grammar ----------------------------------------------------------------
@@ -283,7 +296,7 @@ def template_messages(messages: list, native: bool) -> list:
     """Checked OpenAI messages -> what a chat template reads. A template that takes tools gets the
     calls as transformers documents them (arguments as objects) and the results in their own role;
     one that does not gets the calls as hermes text in the assistant's turn and the results as a
-    user turn (consecutive results in one)."""
+    user turn (consecutive results, and a user message after them, in one)."""
     out = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
@@ -295,11 +308,13 @@ def template_messages(messages: list, native: bool) -> list:
                 text = "\n".join(hermes_call(c["function"]["name"], args) for c, args in calls)
                 m = {"role": "assistant", "content": "\n".join(filter(None, [m.get("content"), text]))}
         elif m["role"] == "tool" and not native:
-            text = f"<tool_response>\n{m['content']}\n</tool_response>"
-            if out and out[-1]["role"] == "user" and out[-1]["content"].endswith("</tool_response>"):
-                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + text}
-                continue
-            m = {"role": "user", "content": text}
+            m = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        if not native and m["role"] == "user" and out and out[-1]["role"] == "user" and \
+                out[-1]["content"].endswith("</tool_response>"):
+            # One user turn for the results and what follows them: templates that want turns to
+            # alternate (Gemma's) refuse two in a row.
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + m["content"]}
+            continue
         out.append(m)
     return out
 

@@ -122,8 +122,7 @@ def test_prompt_for_a_template_without_tools(tiny):
         {"role": "user", "content": "Pick one."},
         {"role": "assistant", "content": '<tool_call>\n{"name": "pick", "arguments": {"color": "red", "n": 3}}\n'
                                          '</tool_call>'},
-        {"role": "user", "content": "<tool_response>\nok\n</tool_response>"},
-        {"role": "user", "content": "Again?"},
+        {"role": "user", "content": "<tool_response>\nok\n</tool_response>\nAgain?"},
     ]
     theirs = hf_tokenizer.apply_chat_template(messages, chat_template=PLAIN_TEMPLATE, tokenize=False,
                                               add_generation_prompt=True)
@@ -133,6 +132,27 @@ def test_prompt_for_a_template_without_tools(tiny):
     theirs = hf_tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."}, *messages[1:]],
                                               chat_template=PLAIN_TEMPLATE, tokenize=False, add_generation_prompt=True)
     assert encode_conversation(tokenizer, conversation) == tokenizer.encode(theirs, bos=False)
+
+
+def test_prompt_for_a_template_without_a_system_role(tiny):
+    """A template that refuses a system message and wants turns to alternate (as Gemma 2's): the
+    tools come in the first user message, a result and the question after it in one user turn."""
+    path, _, hf_tokenizer = tiny
+    template = ("{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+                "{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+                "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+                "{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    tokenizer = tokenizer_with(path, template)
+    ours = encode_conversation(tokenizer, read_messages(CONVERSATION[1:]), Tools.read([PICK], "auto", True, tokenizer))
+    messages = [
+        {"role": "user", "content": SYSTEM_PROMPT.format(tools=json.dumps(PICK, ensure_ascii=False)) + "\n\nPick one."},
+        {"role": "assistant", "content": '<tool_call>\n{"name": "pick", "arguments": {"color": "red", "n": 3}}\n'
+                                         '</tool_call>'},
+        {"role": "user", "content": "<tool_response>\nok\n</tool_response>\nAgain?"},
+    ]
+    theirs = hf_tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                              add_generation_prompt=True)
+    assert ours == tokenizer.encode(theirs, bos=False)
 
 
 def hermes_tools(tokenizer, choice="auto", parallel=True) -> Tools:
