@@ -33,6 +33,7 @@ from errors import SEED, error_boundary, finite_float, int_in, positive_int
 from load import DEFAULT_CHECKPOINT, PRECISIONS, add_placement_flags, log, placement
 from packed_cache import load_with_tokenizer
 from structured import json_grammar
+from reasoning import Reasoning, ReasoningStream
 from tools import Tools, ToolStream, encode_conversation, read_messages
 
 MAX_BODY_BYTES = 1 << 20  # larger bodies get 413: no prompt the context holds is that long
@@ -42,7 +43,7 @@ MAX_STOP = 16
 IGNORED = {"user", "metadata", "store", "service_tier", "stream_options"}
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                "stop", "n", "stream", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
-               "parallel_tool_calls", "functions", "logit_bias", "frequency_penalty", "presence_penalty"} | IGNORED
+               "parallel_tool_calls", "functions", "chat_template_kwargs", "logit_bias", "frequency_penalty", "presence_penalty"} | IGNORED
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
                      "logprobs", "echo", "suffix", "best_of", "logit_bias", "frequency_penalty",
                      "presence_penalty", "response_format"} | IGNORED  # response_format: as vLLM's
@@ -164,10 +165,15 @@ def chat_prompt(body: dict, tokenizer, tools: Optional[Tools] = None) -> list:
         messages = read_messages(messages)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
+    variables = get(body, "chat_template_kwargs", "object", {})
+    taken = sorted(set(variables) & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+    if taken:
+        raise APIError(400, f"'chat_template_kwargs' may not set {taken[0]!r}, which the server sets",
+                       param="chat_template_kwargs")
     if tokenizer.chat_template is None:
         raise APIError(400, "this model has no chat template; use /v1/completions")
     try:
-        return encode_conversation(tokenizer, messages, tools)
+        return encode_conversation(tokenizer, messages, tools, variables)
     except Exception as e:  # the checkpoint's own template refused these messages (jinja2 raises many kinds)
         raise APIError(400, f"the chat template could not format these messages: {e}", param="messages") from None
 
@@ -372,7 +378,7 @@ def make_app(server: Server):
         try:
             body = await read_body(request)
             params = sampling_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
-            tools = None
+            tools = thinking = None
             if chat:
                 tools = read_tools(body, server.tokenizer)
                 want = get(body, "logprobs", "bool", False)
@@ -382,6 +388,7 @@ def make_app(server: Server):
                 logprobs = (top or 0) if want else None
                 max_tokens = get(body, "max_completion_tokens", "int") or get(body, "max_tokens", "int")
                 prompts = [chat_prompt(body, server.tokenizer, tools)]
+                thinking = Reasoning.of(server.tokenizer, prompts[0])
                 echo = score_only = False
             else:
                 logprobs = get(body, "logprobs", "int", None, lambda v: 0 <= v <= 20, "between 0 and 20")
@@ -443,6 +450,7 @@ def make_app(server: Server):
                                                                 "logprobs": None, "finish_reason": None}], **extra})
                 sent_text = [False] * len(ids)
                 streams = [ToolStream(tools) for _ in ids] if tools is not None else None
+                thoughts = [ReasoningStream(thinking) for _ in ids] if thinking is not None else None
                 completion_tokens = 0
                 async for c, out in outputs(request, ids, queue):
                     out = shown(out)
@@ -451,6 +459,9 @@ def make_app(server: Server):
                     text, reason = out.text, out.finish_reason
                     if not sent_text[c] and prefix[c]:
                         text, sent_text[c] = prefix[c] + text, True
+                    thought = ""
+                    if thoughts is not None:  # the thinking apart, as reasoning_content
+                        thought, text = thoughts[c].feed(text, final=reason is not None)
                     if streams is not None:  # text that may be a call is held until the answer is read
                         text = streams[c].feed(text)
                         if reason is not None:
@@ -463,10 +474,13 @@ def make_app(server: Server):
                                 yield json.dumps({**base, "choices": [{"index": c, "delta": delta, "logprobs": None,
                                                                        "finish_reason": None}], **extra})
                                 text = ""
-                    if not text and reason is None and logprobs is None:
+                    if not text and not thought and reason is None and logprobs is None:
                         continue
                     if chat:
-                        choice = {"index": c, "delta": {"content": text} if text else {},
+                        delta = {"content": text} if text else {}
+                        if thought:
+                            delta["reasoning_content"] = thought
+                        choice = {"index": c, "delta": delta,
                                   "logprobs": {"content": chat_logprobs(out)} if logprobs is not None else None,
                                   "finish_reason": reason}
                     else:
@@ -497,12 +511,15 @@ def make_app(server: Server):
         if chat:
             choices = []
             for c in range(len(ids)):
-                message, reason = {"role": "assistant", "content": texts[c]}, reasons[c]
+                thought, text = thinking.split(texts[c]) if thinking is not None else (None, texts[c])
+                message, reason = {"role": "assistant", "content": text}, reasons[c]
                 if tools is not None:
-                    content, calls = tools.parse(texts[c])
+                    content, calls = tools.parse(text)
                     if calls:
                         message = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
                         reason = call_reason(reason, calls)
+                if thought is not None:
+                    message["reasoning_content"] = thought
                 choices.append({"index": c, "message": message, "finish_reason": reason,
                                 "logprobs": {"content": lps[c]} if logprobs is not None else None})
         else:

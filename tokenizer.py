@@ -36,13 +36,14 @@ class Tokenizer:
     chat_template_source: str = "tokenizer_config.json"
 
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = True,
-                            tools: Optional[list] = None) -> str:
+                            tools: Optional[list] = None, variables: Optional[dict] = None) -> str:
         """tools: OpenAI's {"type": "function", "function": {...}} entries, which a template that knows
-        tools writes into the prompt (transformers passes them as `tools` too)."""
+        tools writes into the prompt (transformers passes them as `tools` too). variables: more that
+        the template may read (e.g. Qwen3's enable_thinking), as transformers' keyword arguments."""
         import jinja2
         try:
             return self.compiled_chat_template().render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                **(variables or {}), messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                 bos_token=self.bos_token, eos_token=self.eos_token)
         # The template is the checkpoint's code: whatever it raises is a fault of that file.
         except (jinja2.TemplateError, TypeError, LookupError, ArithmeticError) as e:
@@ -68,9 +69,9 @@ class Tokenizer:
             raise ValueError(f"the chat template in {self.chat_template_source} has a syntax error (line {e.lineno}: "
                              f"{e.message}); fix it, or pass --no-chat") from None
 
-    def encode_chat(self, messages: list, tools: Optional[list] = None) -> list:
+    def encode_chat(self, messages: list, tools: Optional[list] = None, variables: Optional[dict] = None) -> list:
         # The template writes BOS itself where the model wants one.
-        return self.encode(self.apply_chat_template(messages, tools=tools), bos=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools, variables=variables), bos=False)
 
     def _load_special(self, checkpoint_dir: Path, default_add_bos: bool):
         cfg = read_json(checkpoint_dir / "tokenizer_config.json")

@@ -322,7 +322,8 @@ def template_messages(messages: list, native: bool) -> list:
 def read_messages(messages: list) -> list:
     """OpenAI's chat messages -> what the templating reads: {"role", "content"} with the text parts
     joined, "developer" as "system", an assistant's tool_calls checked (arguments a JSON object's
-    text), a tool result with the name of the function it answers. ValueError naming the fault."""
+    text) and reasoning_content kept, a tool result with the name of the function it answers.
+    ValueError naming the fault."""
     out, names = [], {}  # tool call id -> its function's name, which some templates write beside a result
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
@@ -338,6 +339,9 @@ def read_messages(messages: list) -> list:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str) and not (calls and content is None):
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        thought = m.get("reasoning_content") if role == "assistant" else None
+        if thought is not None and not isinstance(thought, str):
+            raise ValueError(f"messages[{i}].reasoning_content must be a string")
         if calls:
             calls = read_calls(calls, f"messages[{i}].tool_calls")
             names.update((c["id"], c["function"]["name"]) for c in calls)
@@ -349,6 +353,8 @@ def read_messages(messages: list) -> list:
             out.append({"role": role, "content": content, "tool_call_id": call_id, "name": names.get(call_id, "")})
         else:
             out.append({"role": role, "content": content})
+        if thought is not None:  # a thinking model's earlier thought, which its template may write back
+            out[-1]["reasoning_content"] = thought
     return out
 
 
@@ -372,9 +378,12 @@ def read_calls(calls, where: str) -> list:
     return out
 
 
-def encode_conversation(tokenizer, messages: list, tools: Optional[Tools] = None) -> list:
+def encode_conversation(tokenizer, messages: list, tools: Optional[Tools] = None,
+                        variables: Optional[dict] = None) -> list:
     """Messages (read_messages') -> prompt token ids, with the tools that may be called (None: none,
-    though the conversation may hold earlier calls and their results)."""
+    though the conversation may hold earlier calls and their results) and the template's own
+    variables (chat_template_kwargs)."""
     if tools is not None:
-        return tokenizer.encode_chat(tools.messages(messages), tools=tools.template_tools)
-    return tokenizer.encode_chat(template_messages(messages, tokenizer.chat_template_takes("tools")))
+        return tokenizer.encode_chat(tools.messages(messages), tools=tools.template_tools, variables=variables)
+    return tokenizer.encode_chat(template_messages(messages, tokenizer.chat_template_takes("tools")),
+                                 variables=variables)

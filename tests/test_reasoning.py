@@ -1,0 +1,98 @@
+"""A thinking model's reasoning apart from its answer (reasoning.py; the server's
+`reasoning_content` and `chat_template_kwargs`): streamed pieces add up to the whole answer's
+split, and through the official client the thinking and the answer are the generation's own."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import make_hf_model, save_and_convert, save_tokenizer
+from decode import generate
+from load import load_model
+from reasoning import Reasoning, ReasoningStream
+from tokenizer import load_tokenizer
+
+# As Qwen3's does: the generation prompt opens the thinking, or with enable_thinking false holds an
+# empty one.
+TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}"
+            "assistant:{% if enable_thinking is defined and not enable_thinking %} <think>\n\n</think>\n\n"
+            "{% else %} <think>\n{% endif %}{% endif %}")
+
+ANSWERS = [  # (the prompt opened the thinking, answer) -> (thinking, content)
+    (False, "<think>\nLet me see. </thin k> 2+2\n</think>\n\nThe answer is 4.", ("Let me see. </thin k> 2+2",
+                                                                                "The answer is 4.")),
+    (True, "\nhmm\n</think>\n\nFour.", ("hmm", "Four.")),
+    (False, "Plain answer, then <think>", (None, "Plain answer, then <think>")),
+    (False, "  <think>cut off while thin", ("cut off while thin", "")),
+    (False, "<thinking> is not the tag", (None, "<thinking> is not the tag")),
+    (True, "no end", ("no end", "")),
+]
+
+
+@pytest.mark.parametrize("opened,text,expected", ANSWERS, ids=range(len(ANSWERS)))
+def test_split_and_stream(opened, text, expected):
+    """The split of whole answers, and the same answers streamed in pieces of 1, 2 and 5
+    characters: the pieces of thinking and of answer add up to the whole answer's split."""
+    reasoning = Reasoning(opened)
+    assert reasoning.split(text) == expected
+    for size in (1, 2, 5):
+        stream = ReasoningStream(reasoning)
+        pieces = [stream.feed(text[i:i + size]) for i in range(0, len(text), size)] + [stream.feed("", final=True)]
+        assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == (expected[0] or "", expected[1])
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    from test_server import KEY, start_server, stop_server
+    d = tmp_path_factory.mktemp("thinking")
+    save_tokenizer(d / "hf")
+    path = save_and_convert(make_hf_model("llama31", vocab_size=320, eos_token_id=0, max_position_embeddings=256), d)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=TEMPLATE)))
+    proc, url = start_server(path, "--api_key", KEY, "--max_batch_size", "2", "--max_seq_length", "256",
+                             "--model_name", "tiny")
+    yield url, path
+    stop_server(proc)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_reasoning_through_the_client(thinking_server):
+    """A template that opens the thinking: the random model never closes it, so all it says is
+    thinking (reasoning_content, streamed as delta.reasoning_content) and the answer is empty; with
+    chat_template_kwargs {"enable_thinking": false} the template closes it and all is answer. Both
+    equal the generation of the same prompt in this process."""
+    import openai
+    from test_server import KEY
+    url, path = thinking_server
+    model, tokenizer = load_model(path), load_tokenizer(path.parent)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    question = [{"role": "user", "content": "What colour is the sky?"}]
+
+    def alone(variables=None):
+        ids = tokenizer.encode_chat(question, variables=variables)
+        out = generate(model, torch.tensor(ids), 12, eos_ids=tokenizer.eos_ids)[0, len(ids):].tolist()
+        return tokenizer.decode(out[:out.index(0)] if 0 in out else out)
+
+    thought = alone().strip()
+    assert thought  # something to split
+    r = client.chat.completions.create(model="tiny", messages=question, max_tokens=12, temperature=0)
+    assert r.choices[0].message.model_extra["reasoning_content"] == thought and r.choices[0].message.content == ""
+    chunks = list(client.chat.completions.create(model="tiny", messages=question, max_tokens=12, temperature=0,
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks) == thought
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+
+    answer = alone({"enable_thinking": False})
+    assert answer and answer != alone()
+    r = client.chat.completions.create(model="tiny", messages=question, max_tokens=12, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.content == answer and "reasoning_content" not in r.choices[0].message.model_extra
+    # An earlier turn's thinking goes back to the template as reasoning_content (Qwen3's reads it).
+    history = [*question, {"role": "assistant", "content": "Blue.", "reasoning_content": "It is day."},
+               {"role": "user", "content": "Why?"}]
+    r = client.chat.completions.create(model="tiny", messages=history, max_tokens=2, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="may not set 'messages'"):
+        client.chat.completions.create(model="tiny", messages=question, extra_body={
+            "chat_template_kwargs": {"messages": []}})
