@@ -96,3 +96,25 @@ def test_reasoning_through_the_client(thinking_server):
     with pytest.raises(openai.BadRequestError, match="may not set 'messages'"):
         client.chat.completions.create(model="tiny", messages=question, extra_body={
             "chat_template_kwargs": {"messages": []}})
+
+
+@pytest.mark.skipif(shutil.which("chromedriver") is None, reason="needs Debian's chromium and chromium-driver")
+def test_chat_page_shows_the_thinking(thinking_server):
+    """The chat page in headless Chromium: the thought in its own block above the answer, and
+    kept with the answer in the conversation it sends next."""
+    from selenium.webdriver.common.by import By
+    from test_server import chat_page
+    url, path = thinking_server
+    model, tokenizer = load_model(path), load_tokenizer(path.parent)
+    ids = tokenizer.encode_chat([{"role": "user", "content": "Why?"}])
+    out = generate(model, torch.tensor(ids), 10, eos_ids=tokenizer.eos_ids)[0, len(ids):].tolist()
+    thought = tokenizer.decode(out[:out.index(0)] if 0 in out else out).strip()
+    driver = chat_page(url, "Why?", 10)
+    try:
+        assert driver.execute_script("return messages[1]") == {"role": "assistant", "content": "",
+                                                               "reasoning_content": thought}
+        block = driver.find_element(By.CSS_SELECTOR, ".assistant .thinking")
+        assert block.get_attribute("open") and block.find_element(By.TAG_NAME, "summary").text == "thinking"
+        assert driver.execute_script("return document.querySelector('.thinking div').textContent") == thought
+    finally:
+        driver.quit()

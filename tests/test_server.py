@@ -431,10 +431,8 @@ def test_sigterm_lets_streams_finish(checkpoint, reference):
         stop_server(proc)
 
 
-@pytest.mark.skipif(shutil.which("chromedriver") is None, reason="needs Debian's chromium and chromium-driver")
-def test_chat_page_in_a_browser(server, reference):
-    """The page at / in headless Chromium: type a question, the streamed answer appears; a second
-    turn carries the conversation."""
+def chat_page(url: str, question: str, max_tokens: int):
+    """Headless Chromium on the chat page at url, the question sent at temperature 0 and answered."""
     from selenium import webdriver
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -444,23 +442,39 @@ def test_chat_page_in_a_browser(server, reference):
     service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"))
     driver = webdriver.Chrome(options=options, service=service)
     try:
-        driver.get(server + "/")
+        driver.get(url + "/")
         driver.find_element(By.ID, "key").send_keys(KEY)
         driver.execute_script("document.getElementById('key').onchange()")
         WebDriverWait(driver, 30).until(lambda d: d.find_element(By.ID, "model").text == "tiny")
         driver.find_element(By.ID, "temperature").send_keys("0")
-        driver.find_element(By.ID, "max_tokens").send_keys("20")
-        driver.find_element(By.ID, "input").send_keys(QUESTIONS[0])
+        driver.find_element(By.ID, "max_tokens").send_keys(str(max_tokens))
+        driver.find_element(By.ID, "input").send_keys(question)
         driver.find_element(By.ID, "send").click()
-        done = "return document.querySelectorAll('.assistant[data-done]').length"
-        WebDriverWait(driver, 60).until(lambda d: d.execute_script(done) == 1)
+        WebDriverWait(driver, 60).until(lambda d: d.execute_script(ANSWERED) == 1)
+    except BaseException:
+        driver.quit()
+        raise
+    return driver
+
+
+ANSWERED = "return document.querySelectorAll('.assistant[data-done]').length"
+
+
+@pytest.mark.skipif(shutil.which("chromedriver") is None, reason="needs Debian's chromium and chromium-driver")
+def test_chat_page_in_a_browser(server, reference):
+    """The page at / in headless Chromium: type a question, the streamed answer appears; a second
+    turn carries the conversation."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+    driver = chat_page(server, QUESTIONS[0], 20)
+    try:
         answer = driver.execute_script("return messages[1].content")  # as streamed; .text would strip it
         assert answer == reference(QUESTIONS[0], 20)[0]
         assert driver.find_elements(By.CSS_SELECTOR, ".assistant")[0].text == answer.strip()
         assert "tokens/s" in driver.find_element(By.ID, "stats").text
         driver.find_element(By.ID, "input").send_keys("Thanks")
         driver.find_element(By.ID, "send").click()
-        WebDriverWait(driver, 60).until(lambda d: d.execute_script(done) == 2)
+        WebDriverWait(driver, 60).until(lambda d: d.execute_script(ANSWERED) == 2)
         assert len(driver.find_elements(By.CSS_SELECTOR, ".user")) == 2
         # The second request carried the whole conversation, the first answer as the page showed it.
         history = driver.execute_script("return messages")
