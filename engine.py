@@ -27,10 +27,11 @@ place is rank 0: `sync` hands every rank rank 0's events, and all ranks then run
 """
 import dataclasses
 import random
+import re
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -65,7 +66,8 @@ class Request:
     grammar: Optional[str] = None
     # With a trigger the grammar is lazy (as llama.cpp's are for tool calls): the text is free, and
     # nothing is masked, until the trigger first appears in it; the grammar then holds what follows.
-    grammar_trigger: Optional[str] = None
+    # A compiled re pattern: from where its first match in the text ends.
+    grammar_trigger: Union[str, re.Pattern, None] = None
     seed: Optional[int] = None
     stop: Sequence[str] = ()  # stop strings: the text ends before the first one
     eos_ids: Optional[Sequence[int]] = None  # None: the tokenizer's
@@ -541,19 +543,23 @@ class Engine:
         s.text_sent = max(s.text_sent, safe)
 
     def _trigger(self, s: _Sequence, text: str):
-        """A lazy grammar starts where its trigger first appears, fed the text after it (a token may
-        hold the trigger's end and more). Where that text already breaks the grammar, the answer
-        stays free."""
+        """A lazy grammar starts where its trigger first appears (a pattern: where its first match
+        ends), fed the text after it (a token may hold the trigger's end and more). Where that
+        text already breaks the grammar, the answer stays free."""
         trigger = s.request.grammar_trigger
-        at = text.find(trigger, s.trigger_search)
-        if at < 0:
-            s.trigger_search = max(0, len(text) - len(trigger) + 1)
-            return
-        if text.endswith("\ufffd"):  # the text after the trigger is not whole yet
+        if isinstance(trigger, str):
+            at = text.find(trigger, s.trigger_search)
+            end = at + len(trigger) if at >= 0 else -1
+            if at < 0:
+                s.trigger_search = max(0, len(text) - len(trigger) + 1)
+        else:  # from the text's start each time: a pattern may look behind its match (past the thinking)
+            match = trigger.search(text)
+            end = match.end() if match is not None and match.end() > s.trigger_search else -1
+        if end < 0 or text.endswith("\ufffd"):  # not there, or the text after it not whole yet
             return
         s.trigger_search = len(text) + 1  # where this tail breaks the grammar, a later trigger may start it
         constraint = Constraint(self._grammar_table(), s.request.grammar)
-        if all(constraint.take(t) for t in self.tokenizer.encode(text[at + len(trigger):], bos=False)):
+        if all(constraint.take(t) for t in self.tokenizer.encode(text[end:], bos=False)):
             s.constraint = constraint
 
     def _finish(self, s: _Sequence, reason: str, outputs: list, text: Optional[str] = None,

@@ -11,6 +11,7 @@ while thinking has thought only).
     thinking = Reasoning.of(tokenizer, prompt_ids)        # None: the model does not think
     reasoning, content = thinking.split(answer_text)
 """
+import re
 from typing import Optional
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -33,6 +34,14 @@ class Reasoning:
         if not tokenizer.chat_template or CLOSE not in tokenizer.chat_template:
             return None
         return cls(opened=tokenizer.decode(prompt[-8:]).rstrip().endswith(OPEN))
+
+    def after_thinking(self, trigger: str) -> re.Pattern:
+        """A lazy grammar's trigger (engine.py) found only after the thinking: a tool call that the
+        model spells out while it thinks is not one."""
+        tag = re.escape(trigger)
+        if self.opened:
+            return re.compile(f"{CLOSE}.*?{tag}", re.S)
+        return re.compile(rf"^(?:\s*{OPEN}.*?{CLOSE}|(?!\s*{OPEN})).*?{tag}", re.S)
 
     def split(self, text: str, final: bool = True) -> tuple:
         """An answer -> (its thinking, None where it has none; the rest). final False: the answer so

@@ -404,6 +404,8 @@ def make_app(server: Server):
                 raise APIError(400, f"'max_tokens' must be at least 1 (0 only with echo), got {max_tokens}",
                                param="max_tokens")
             params["grammar"], params["grammar_trigger"] = answer_grammar(params, tools)
+            if thinking is not None and params["grammar_trigger"] is not None:
+                params["grammar_trigger"] = thinking.after_thinking(params["grammar_trigger"])
             if server.stop.is_set():
                 raise APIError(503, "the server is shutting down", kind="server_error")
             ids, queue = server.submit(prompts, params, 1 if score_only else max_tokens, logprobs, score_prompt=echo)

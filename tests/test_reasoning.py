@@ -42,6 +42,23 @@ def test_split_and_stream(opened, text, expected):
         assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == (expected[0] or "", expected[1])
 
 
+@pytest.mark.parametrize("opened", [False, True])
+def test_tool_calls_are_looked_for_after_the_thinking(opened):
+    """With tools, the lazy grammar's trigger is found only after the thinking: a tag the model
+    writes out while it thinks does not start a call."""
+    pattern = Reasoning(opened).after_thinking("<tool_call>")
+
+    def starts(text):
+        match = pattern.search(text)
+        return match and match.end()
+    call = '<tool_call>{"name": "f"}'
+    assert starts("<think>I could write <tool_call> here") is None
+    assert starts("  <think>") is None and starts("<thi") is None
+    assert starts("<think>hm <tool_call> no</think>\nYes. " + call) == len("<think>hm <tool_call> no</think>\nYes. ") + 11
+    assert starts("hm</think> " + call) == len("hm</think> ") + 11
+    assert starts("Plain " + call) == (None if opened else len("Plain ") + 11)
+
+
 @pytest.fixture(scope="module")
 def thinking_server(tmp_path_factory):
     from test_server import KEY, start_server, stop_server

@@ -2,6 +2,7 @@
 follow their schema, greedy and sampled, alone and beside free requests, which the constraint
 leaves as they were; bad schemas and tokenizers without a tokenizer.json are refused."""
 import json
+import re
 
 import pytest
 import torch
@@ -86,7 +87,8 @@ def test_needs_a_tokenizer_json(tiny):
     assert not engine.has_work()
 
 
-def test_lazy_grammar_starts_at_its_trigger(tiny):
+@pytest.mark.parametrize("as_pattern", [False, True], ids=["text", "pattern"])
+def test_lazy_grammar_starts_at_its_trigger(tiny, as_pattern):
     """grammar_trigger (tool calls' lazy grammars): the answer is the free one, nothing masked, up
     to the trigger's first appearance, and follows the grammar after it; a trigger that never
     appears leaves the answer free."""
@@ -98,8 +100,11 @@ def test_lazy_grammar_starts_at_its_trigger(tiny):
     # A trigger that ends where a token ends, at its first appearance: the grammar takes over there.
     j = next(j for j in range(2, len(texts)) if len(texts[j]) >= 2 and "\ufffd" not in texts[j][-2:]
              and texts[j].find(texts[j][-2:]) == len(texts[j]) - 2)
-    lazy, never = engine.generate([Request(ids, 200, grammar=json_grammar(SCHEMA), grammar_trigger=texts[j][-2:]),
-                                   Request(ids, 30, grammar=json_grammar(SCHEMA), grammar_trigger="\x00never")])
+    trigger, never = texts[j][-2:], "\x00never"
+    if as_pattern:  # re patterns: the grammar starts where the first match ends
+        trigger, never = re.compile(re.escape(trigger)), re.compile(re.escape(never))
+    lazy, never = engine.generate([Request(ids, 200, grammar=json_grammar(SCHEMA), grammar_trigger=trigger),
+                                   Request(ids, 30, grammar=json_grammar(SCHEMA), grammar_trigger=never)])
     assert lazy.token_ids[:j] == free.token_ids[:j] and lazy.text.startswith(texts[j])
     assert lazy.finish_reason == "stop" and follows_schema(json.loads(lazy.text[len(texts[j]):]))
     assert never.token_ids == free.token_ids
