@@ -5,7 +5,7 @@
     python server.py --checkpoint_path X/model_int8.pth --compile --max_batch_size 16 --api_key KEY
     torchrun --standalone --nproc_per_node=2 server.py --checkpoint_path X/model.pth
 
-POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models, /health,
+POST /v1/chat/completions, /v1/responses and /v1/completions (streaming or not), GET /v1/models, /health,
 /metrics (Prometheus) and / (chat.html). Every request becomes engine requests (one per choice);
 the engine, on the main thread (HTTP has a thread of its own), decodes all of them together and
 hands each output to the request's asyncio queue. Under torchrun rank 0 serves HTTP and the other
@@ -31,9 +31,10 @@ from typing import Optional
 from engine import DEFAULT_PREFILL_CHUNK, Engine, Request
 from errors import SEED, error_boundary, finite_float, int_in, positive_int
 from load import DEFAULT_CHECKPOINT, PRECISIONS, add_placement_flags, log, placement
+import responses_api
 from packed_cache import load_with_tokenizer
-from structured import json_grammar
 from reasoning import Reasoning, ReasoningStream
+from structured import json_grammar
 from tools import Tools, ToolStream, encode_conversation, read_messages
 
 MAX_BODY_BYTES = 1 << 20  # larger bodies get 413: no prompt the context holds is that long
@@ -43,7 +44,8 @@ MAX_STOP = 16
 IGNORED = {"user", "metadata", "store", "service_tier", "stream_options"}
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                "stop", "n", "stream", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
-               "parallel_tool_calls", "functions", "chat_template_kwargs", "logit_bias", "frequency_penalty", "presence_penalty"} | IGNORED
+               "parallel_tool_calls", "functions", "chat_template_kwargs", "logit_bias", "frequency_penalty",
+               "presence_penalty"} | IGNORED
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
                      "logprobs", "echo", "suffix", "best_of", "logit_bias", "frequency_penalty",
                      "presence_penalty", "response_format"} | IGNORED  # response_format: as vLLM's
@@ -537,6 +539,71 @@ def make_app(server: Server):
     async def completions(request):
         return await completion(request, chat=False)
 
+    async def responses(request):
+        """OpenAI's Responses API: the request read as a chat completion (responses.py), the answer
+        given back as output items, whole or as typed events."""
+        try:
+            body = await read_body(request)
+            try:
+                chat = responses_api.chat_request(body)
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+            params = sampling_fields(chat, CHAT_FIELDS)
+            tools = read_tools(chat, server.tokenizer)
+            prompt = chat_prompt(chat, server.tokenizer, tools)
+            thinking = Reasoning.of(server.tokenizer, prompt)
+            params["grammar"], params["grammar_trigger"] = answer_grammar(params, tools)
+            if thinking is not None and params["grammar_trigger"] is not None:
+                params["grammar_trigger"] = thinking.after_thinking(params["grammar_trigger"])
+            max_tokens = get(chat, "max_tokens", "int", None, lambda v: v >= 1, "at least 1")
+            if server.stop.is_set():
+                raise APIError(503, "the server is shutting down", kind="server_error")
+            ids, queue = server.submit([prompt], params, max_tokens, None)
+        except APIError as e:
+            return error_response(e, "responses")
+        except ClientDisconnect:
+            return PlainTextResponse("", status_code=499)
+        server.requests.labels("responses", "200").inc()
+        response = responses_api.Response(body, server.model_name)
+        thoughts = ReasoningStream(thinking) if thinking is not None else None
+        calls_stream = ToolStream(tools) if tools is not None else None
+        tokens, cached, text, reason = 0, 0, "", None
+        if params["stream"]:
+            async def events():
+                nonlocal tokens, cached
+                for event in response.start():
+                    yield {"event": event["type"], "data": json.dumps(event)}
+                async for _, out in outputs(request, ids, queue):
+                    tokens, cached = tokens + len(out.token_ids), out.cached_tokens
+                    final = out.finish_reason is not None
+                    thought, piece = thoughts.feed(out.text, final) if thoughts is not None else ("", out.text)
+                    calls = []
+                    if calls_stream is not None:
+                        piece = calls_stream.feed(piece)
+                        if final:
+                            rest, calls = calls_stream.finish()
+                            piece += rest
+                    produced = response.delta(thought, piece)
+                    if final:
+                        produced += response.finish(calls, out.finish_reason,
+                                                    responses_api.usage(len(prompt), tokens, cached))
+                    for event in produced:
+                        yield {"event": event["type"], "data": json.dumps(event)}
+
+            return EventSourceResponse(events(), ping=15, shutdown_grace_period=server.shutdown_s)
+        async for _, out in outputs(request, ids, queue):
+            tokens, cached, reason = tokens + len(out.token_ids), out.cached_tokens, out.finish_reason
+            text += out.text
+        if reason is None:  # the client went away
+            return PlainTextResponse("", status_code=499)
+        thought, text = thinking.split(text) if thinking is not None else (None, text)
+        calls = []
+        if tools is not None:
+            content, calls = tools.parse(text)
+            text = content.strip() if calls else text
+        used = responses_api.usage(len(prompt), tokens, cached)
+        return JSONResponse(response.whole(thought, text, calls, reason, used))
+
     async def models(request):
         try:
             check_key(request)
@@ -599,6 +666,7 @@ def make_app(server: Server):
         return JSONResponse(e.body(), status_code=exc.status_code)
 
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/responses", responses, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics), Route("/", index),
               Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),

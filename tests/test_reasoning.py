@@ -110,6 +110,12 @@ def test_reasoning_through_the_client(thinking_server):
                {"role": "user", "content": "Why?"}]
     r = client.chat.completions.create(model="tiny", messages=history, max_tokens=2, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")
+    # The Responses API: the thinking as a reasoning item, whole and streamed.
+    r = client.responses.create(model="tiny", input=question, max_output_tokens=12, temperature=0)
+    assert [item.type for item in r.output] == ["reasoning"] and r.output[0].content[0].text == thought
+    with client.responses.stream(model="tiny", input=question, max_output_tokens=12, temperature=0) as stream:
+        events = list(stream)
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
     with pytest.raises(openai.BadRequestError, match="may not set 'messages'"):
         client.chat.completions.create(model="tiny", messages=question, extra_body={
             "chat_template_kwargs": {"messages": []}})

@@ -194,6 +194,44 @@ TOOL = {"type": "function", "function": {"name": "pick", "description": "Pick a 
                                                                             "maximum": 9}}, "required": ["color"]}}}
 
 
+def test_responses_api(client, reference):
+    """/v1/responses through the official client: the answer is the in-process generation's, whole
+    and streamed (the client's own accumulation of the typed events); instructions and input items
+    give what chat completions gives for the same conversation; text.format holds the answer to a
+    pydantic model's schema; max_output_tokens ends it incomplete."""
+    from typing import Literal
+    from pydantic import BaseModel
+    text, n, finish, prompt_len = reference(QUESTIONS[0], 12)
+    r = client.responses.create(model="tiny", input=QUESTIONS[0], max_output_tokens=12, temperature=0)
+    assert r.output_text == text and r.id.startswith("resp_") and r.output[0].type == "message"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (prompt_len, n)
+    assert r.status == ("incomplete" if finish == "length" else "completed")
+    for question in QUESTIONS[:3]:
+        text, _, finish, _ = reference(question, 30)
+        with client.responses.stream(model="tiny", input=question, max_output_tokens=30, temperature=0) as stream:
+            events = list(stream)
+        assert [e.type for e in events][:2] == ["response.created", "response.in_progress"]
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+        assert events[-1].type == ("response.incomplete" if finish == "length" else "response.completed")
+        assert events[-1].response.output[0].content[0].text == text
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+
+    conversation = [{"role": "user", "content": QUESTIONS[2]}, {"role": "assistant", "content": "Blue."},
+                    {"role": "user", "content": [{"type": "input_text", "text": QUESTIONS[5]}]}]
+    r = client.responses.create(model="tiny", instructions="Be brief.", input=conversation, max_output_tokens=8,
+                                temperature=0)
+    chat_messages = [{"role": "system", "content": "Be brief."}, *conversation[:2],
+                     {"role": "user", "content": QUESTIONS[5]}]
+    expected = client.chat.completions.create(model="tiny", messages=chat_messages, max_tokens=8, temperature=0)
+    assert r.output_text == expected.choices[0].message.content
+
+    class Colour(BaseModel):
+        color: Literal["red", "green", "blue"]
+    r = client.responses.parse(model="tiny", input=QUESTIONS[2], text_format=Colour, max_output_tokens=60,
+                               temperature=0)
+    assert isinstance(r.output_parsed, Colour)
+
+
 def test_loadgen_smoke(server, capsys):
     """scripts/loadgen.py (the server benchmark's client) runs against this server: clients behind a
     shared system prompt, every request answered (its timings are the benchmark's, not asserted)."""
@@ -354,6 +392,12 @@ BAD = [
     ("/v1/completions", {"prompt": 5}, 400, "'prompt' is required"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/v1/completions", b"x" * (2 << 20), 413, "larger than"),
+    ("/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, 400, "stores no responses"),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "web_search"}]}, 400, "only function tools"),
+    ("/v1/responses", {"input": [{"type": "input_image"}]}, 400, "items of type message"),
+    ("/v1/responses", {"input": "x", "modalities": ["audio"]}, 400, "unrecognized"),
+    ("/v1/responses", {"input": 5}, 400, "'input' must be"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 0}, 400, "at least 1"),
     ("/v1/nothing", {}, 404, "Not Found"),
 ]
 

@@ -359,3 +359,37 @@ def test_tool_calls_through_the_client(tool_server):
     chunks = list(client.chat.completions.create(model="tiny", messages=question, tools=[PICK], max_tokens=12,
                                                  temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == alone
+
+
+def test_function_calls_through_the_responses_api(tool_server):
+    """/v1/responses with function tools: a forced call, whole and streamed, has arguments that
+    follow the tool's schema; the call and its output sent back as input items give what chat
+    completions gives for the same conversation."""
+    import openai
+    from test_server import KEY
+    url, _ = tool_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    tools = [{"type": "function", **PICK["function"]}, {"type": "function", **COUNT["function"]}]
+    question = "What colour is the sky?"
+    r = client.responses.create(model="tiny", input=question, tools=tools, tool_choice="required",
+                                parallel_tool_calls=False, max_output_tokens=400, temperature=0)
+    [call] = r.output
+    assert call.type == "function_call" and call.call_id.startswith("call_")
+    assert follows_schema({"function": {"name": call.name, "arguments": call.arguments}})
+    with client.responses.stream(model="tiny", input=question, tools=tools, max_output_tokens=400, temperature=0,
+                                 tool_choice={"type": "function", "name": "count"}) as stream:
+        kinds = {event.type for event in stream}
+        [streamed] = stream.get_final_response().output
+    assert "response.function_call_arguments.done" in kinds and streamed.name == "count"
+    assert follows_schema({"function": {"name": streamed.name, "arguments": streamed.arguments}})
+
+    items = [{"role": "user", "content": question}, call, {"type": "function_call_output", "call_id": call.call_id,
+                                                           "output": "done"}]
+    r = client.responses.create(model="tiny", input=items, tools=tools, max_output_tokens=6, temperature=0)
+    messages = [{"role": "user", "content": question},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+                    "name": call.name, "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "done"}]
+    expected = client.chat.completions.create(model="tiny", messages=messages, tools=[PICK, COUNT], max_tokens=6,
+                                              temperature=0)
+    assert r.output_text == expected.choices[0].message.content
