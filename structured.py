@@ -35,29 +35,26 @@ WHITESPACE = r"[ \t\n\r]{0,20}"
 def json_grammar(schema: Optional[dict] = None) -> str:
     """A JSON schema (None: any JSON object, OpenAI's json_object mode) -> a grammar for Request.grammar.
     ValueError, naming the problem, for a schema that cannot be compiled."""
-    llg = _llguidance()
-    try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(schema if schema is not None else {"type": "object"},
-                                                         defaults={"whitespace_pattern": WHITESPACE})
-    except ValueError as e:
-        raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
-    error = llg.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise ValueError(f"the JSON schema cannot be used: {error}")
-    return grammar
+    schema = schema if schema is not None else {"type": "object"}
+    options = {"whitespace_pattern": WHITESPACE}
+    return _checked(lambda matcher: matcher.grammar_from_json_schema(schema, defaults=options), "the JSON schema")
 
 
 def lark_grammar(lark: str) -> str:
     """A Lark grammar in llguidance's dialect (`%json {schema}` embeds a JSON schema) -> a grammar for
     Request.grammar; ValueError naming the problem."""
-    llg = _llguidance()
+    return _checked(lambda matcher: matcher.grammar_from_lark(lark), "the grammar")
+
+
+def _checked(compile_grammar, what: str) -> str:
+    matcher = _llguidance().LLMatcher
     try:
-        grammar = llg.LLMatcher.grammar_from_lark(lark)
+        grammar = compile_grammar(matcher)
     except ValueError as e:
-        raise ValueError(f"the grammar cannot be used: {e}") from None
-    error = llg.LLMatcher.validate_grammar(grammar)
+        raise ValueError(f"{what} cannot be read: {e}") from None
+    error = matcher.validate_grammar(grammar)
     if error:
-        raise ValueError(f"the grammar cannot be used: {error}")
+        raise ValueError(f"{what} cannot be used: {error}")
     return grammar
 
 

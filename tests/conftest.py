@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random Hugging Face models converted with our own converter, and the real
 default model (SmolLM2-135M-Instruct) converted from its GGUF."""
+import json
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,21 @@ def save_tokenizer(hf_dir: Path, bos: bool = False, vocab_size: int = 300):
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<s>" if bos else None)
     hf_tok.save_pretrained(hf_dir)
     return hf_tok
+
+
+def chat_checkpoint(root: Path, template: str, context: int = 256) -> Path:
+    """A tiny random LLaMA-3.1-shaped model with the tiny tokenizer and this chat template, converted
+    into root; returns root/model.pth."""
+    save_tokenizer(root / "hf")
+    path = save_and_convert(make_hf_model("llama31", vocab_size=320, eos_token_id=0,
+                                          max_position_embeddings=context), root)
+    set_chat_template(root, template)
+    return path
+
+
+def set_chat_template(checkpoint_dir: Path, template: str):
+    config = json.loads((checkpoint_dir / "tokenizer_config.json").read_text())
+    (checkpoint_dir / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=template)))
 
 
 def save_and_convert(hf_model, root: Path, max_shard_size=None) -> Path:

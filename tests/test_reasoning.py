@@ -1,13 +1,12 @@
 """A thinking model's reasoning apart from its answer (reasoning.py; the server's
 `reasoning_content` and `chat_template_kwargs`): streamed pieces add up to the whole answer's
 split, and through the official client the thinking and the answer are the generation's own."""
-import json
 import shutil
 
 import pytest
 import torch
 
-from conftest import make_hf_model, save_and_convert, save_tokenizer
+from conftest import chat_checkpoint
 from decode import generate
 from load import load_model
 from reasoning import Reasoning, ReasoningStream
@@ -63,10 +62,7 @@ def test_tool_calls_are_looked_for_after_the_thinking(opened):
 def thinking_server(tmp_path_factory):
     from test_server import KEY, start_server, stop_server
     d = tmp_path_factory.mktemp("thinking")
-    save_tokenizer(d / "hf")
-    path = save_and_convert(make_hf_model("llama31", vocab_size=320, eos_token_id=0, max_position_embeddings=256), d)
-    config = json.loads((d / "tokenizer_config.json").read_text())
-    (d / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=TEMPLATE)))
+    path = chat_checkpoint(d, TEMPLATE)
     proc, url = start_server(path, "--api_key", KEY, "--max_batch_size", "2", "--max_seq_length", "256",
                              "--model_name", "tiny")
     yield url, path

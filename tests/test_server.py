@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_hf_model, save_and_convert, save_tokenizer
+from conftest import chat_checkpoint, make_hf_model, save_and_convert, save_tokenizer
 from decode import generate
 from load import load_model
 from tokenizer import load_tokenizer
@@ -62,12 +62,7 @@ def stop_server(proc):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    d = tmp_path_factory.mktemp("server")
-    save_tokenizer(d / "hf")
-    path = save_and_convert(make_hf_model("llama31", vocab_size=320, eos_token_id=0, max_position_embeddings=256), d)
-    config = json.loads((d / "tokenizer_config.json").read_text())
-    (d / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=TEMPLATE)))
-    return path
+    return chat_checkpoint(tmp_path_factory.mktemp("server"), TEMPLATE)
 
 
 @pytest.fixture(scope="module")

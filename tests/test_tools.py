@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import make_hf_model, save_and_convert, save_tokenizer
+from conftest import chat_checkpoint, set_chat_template
 from decode import generate
 from engine import Engine, Request
 from load import load_model
@@ -66,6 +66,12 @@ CONVERSATION = [  # OpenAI's messages: a call, its result, a question after it
 ]
 
 
+# CONVERSATION's call and result as a template without tools gets them.
+CALL_AS_TEXT = {"role": "assistant",
+                "content": '<tool_call>\n{"name": "pick", "arguments": {"color": "red", "n": 3}}\n</tool_call>'}
+RESULT_AND_QUESTION = {"role": "user", "content": "<tool_response>\nok\n</tool_response>\nAgain?"}
+
+
 def follows_schema(call: dict) -> bool:
     """A call's arguments checked by hand against PICK or COUNT, independently of the grammar."""
     args = json.loads(call["function"]["arguments"])
@@ -79,10 +85,9 @@ def follows_schema(call: dict) -> bool:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A random model with room for a prompt that lists tools (the tiny tokenizer spells JSON in many tokens)."""
-    d = tmp_path_factory.mktemp("tools")
-    hf_tokenizer = save_tokenizer(d / "hf")
-    path = save_and_convert(make_hf_model("llama31", vocab_size=320, eos_token_id=0, max_position_embeddings=2048), d)
-    return path, load_model(path), hf_tokenizer
+    path = chat_checkpoint(tmp_path_factory.mktemp("tools"), PLAIN_TEMPLATE, context=2048)
+    from transformers import AutoTokenizer
+    return path, load_model(path), AutoTokenizer.from_pretrained(path.parent / "hf")
 
 
 def tokenizer_with(path, template):
@@ -117,13 +122,8 @@ def test_prompt_for_a_template_without_tools(tiny):
     conversation = read_messages(CONVERSATION)
     ours = encode_conversation(tokenizer, conversation, Tools.read([PICK, COUNT], "auto", True, tokenizer))
     listing = json.dumps(PICK, ensure_ascii=False) + "\n" + json.dumps(COUNT, ensure_ascii=False)
-    messages = [
-        {"role": "system", "content": "Be brief.\n\n" + SYSTEM_PROMPT.format(tools=listing)},
-        {"role": "user", "content": "Pick one."},
-        {"role": "assistant", "content": '<tool_call>\n{"name": "pick", "arguments": {"color": "red", "n": 3}}\n'
-                                         '</tool_call>'},
-        {"role": "user", "content": "<tool_response>\nok\n</tool_response>\nAgain?"},
-    ]
+    messages = [{"role": "system", "content": "Be brief.\n\n" + SYSTEM_PROMPT.format(tools=listing)},
+                {"role": "user", "content": "Pick one."}, CALL_AS_TEXT, RESULT_AND_QUESTION]
     theirs = hf_tokenizer.apply_chat_template(messages, chat_template=PLAIN_TEMPLATE, tokenize=False,
                                               add_generation_prompt=True)
     assert ours == tokenizer.encode(theirs, bos=False)
@@ -144,12 +144,8 @@ def test_prompt_for_a_template_without_a_system_role(tiny):
                 "{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
     tokenizer = tokenizer_with(path, template)
     ours = encode_conversation(tokenizer, read_messages(CONVERSATION[1:]), Tools.read([PICK], "auto", True, tokenizer))
-    messages = [
-        {"role": "user", "content": SYSTEM_PROMPT.format(tools=json.dumps(PICK, ensure_ascii=False)) + "\n\nPick one."},
-        {"role": "assistant", "content": '<tool_call>\n{"name": "pick", "arguments": {"color": "red", "n": 3}}\n'
-                                         '</tool_call>'},
-        {"role": "user", "content": "<tool_response>\nok\n</tool_response>\nAgain?"},
-    ]
+    first = SYSTEM_PROMPT.format(tools=json.dumps(PICK, ensure_ascii=False)) + "\n\nPick one."
+    messages = [{"role": "user", "content": first}, CALL_AS_TEXT, RESULT_AND_QUESTION]
     theirs = hf_tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                               add_generation_prompt=True)
     assert ours == tokenizer.encode(theirs, bos=False)
@@ -296,9 +292,7 @@ def tool_server(request, tiny, tmp_path_factory):
     for f in path.parent.iterdir():
         if f.is_file():
             shutil.copy(f, d / f.name)
-    config = json.loads((d / "tokenizer_config.json").read_text())
-    template = HERMES_TEMPLATE if request.param == "hermes" else PLAIN_TEMPLATE
-    (d / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=template)))
+    set_chat_template(d, HERMES_TEMPLATE if request.param == "hermes" else PLAIN_TEMPLATE)
     proc, url = start_server(d / path.name, "--api_key", KEY, "--max_batch_size", "2", "--max_seq_length", "2048",
                              "--model_name", "tiny")
     yield url, d / path.name
