@@ -64,8 +64,9 @@ def takes_system(tokenizer) -> bool:
         return False
 
 
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+def new_call_id(short: bool = False) -> str:
+    """OpenAI's form, or 9 letters and digits where the template takes no other (Mistral's)."""
+    return uuid.uuid4().hex[:9] if short else "call_" + uuid.uuid4().hex[:24]
 
 
 def read_tool_list(tools) -> list:
@@ -99,6 +100,7 @@ class Tools:
     style: str             # HERMES or JSON
     arguments_key: str = "arguments"
     system: bool = True    # the chat template takes a system message (Gemma 2's refuses one)
+    short_ids: bool = False  # call ids of 9 characters: Mistral's templates refuse any other
     schemas: dict = field(init=False)  # function name -> its parameters' schema
 
     def __post_init__(self):
@@ -129,7 +131,8 @@ class Tools:
         native = tokenizer.chat_template_takes("tools")
         style = HERMES if not native or OPEN in tokenizer.chat_template else JSON
         key = "parameters" if style == JSON and '"parameters"' in tokenizer.chat_template else "arguments"
-        return cls(specs, choice, parallel, native, style, key, native or takes_system(tokenizer))
+        return cls(specs, choice, parallel, native, style, key, native or takes_system(tokenizer),
+                   "[TOOL_CALLS]" in tokenizer.chat_template)
 
     @property
     def forced(self) -> bool:
@@ -248,7 +251,7 @@ class Tools:
                 return None
         if not isinstance(args, dict):
             return None
-        return {"id": new_call_id(), "type": "function",
+        return {"id": new_call_id(self.short_ids), "type": "function",
                 "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
 
 

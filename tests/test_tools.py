@@ -184,6 +184,28 @@ def test_parse_json_style(tiny):
     assert tools.parse("The answer is {1}") == ("The answer is {1}", [])
 
 
+def test_call_ids_a_mistral_template_takes(tiny):
+    """Mistral's templates write [TOOL_CALLS] and refuse a call id that is not 9 characters: the
+    calls read back get such ids, and a conversation holding them renders."""
+    template = ("{% for m in messages %}{% if m.tool_calls is defined %}[TOOL_CALLS]{% for c in m.tool_calls %}"
+                "{% if c.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with "
+                "length 9!') }}{% endif %}{{ c.function | tojson }}{% endfor %}"
+                "{% elif m.role == 'tool' %}{% if m.tool_call_id | length != 9 %}{{ raise_exception('length 9!') }}"
+                "{% endif %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]"
+                "{% else %}{% if tools and loop.last %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]"
+                "{% endif %}{{ m.role }}: {{ m.content }}{% endif %}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    tokenizer = tokenizer_with(tiny[0], template)
+    tools = Tools.read([PICK], "auto", True, tokenizer)
+    _, [call] = tools.parse('[{"name": "pick", "arguments": {"color": "red", "n": 1}}]')
+    assert len(call["id"]) == 9 and call["id"].isalnum()
+    conversation = [{"role": "user", "content": "Pick one."},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": call["id"], "content": "ok"},
+                    {"role": "user", "content": "Again?"}]
+    assert "[TOOL_RESULTS]ok" in tokenizer.decode(encode_conversation(tokenizer, read_messages(conversation), tools))
+
+
 def test_stream_shows_the_text_before_a_call(tiny):
     """Fed a few characters at a time: the text before the call is shown as it comes, nothing of the
     call is, and what is shown plus the rest at the end is the text outside the calls."""
@@ -381,8 +403,8 @@ def test_function_calls_through_the_responses_api(tool_server):
                                                            "output": "done"}]
     r = client.responses.create(model="tiny", input=items, tools=tools, max_output_tokens=6, temperature=0)
     messages = [{"role": "user", "content": question},
-                {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function", "function": {
-                    "name": call.name, "arguments": call.arguments}}]},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
                 {"role": "tool", "tool_call_id": call.call_id, "content": "done"}]
     expected = client.chat.completions.create(model="tiny", messages=messages, tools=[PICK, COUNT], max_tokens=6,
                                               temperature=0)
