@@ -31,9 +31,9 @@ from typing import Optional
 from engine import DEFAULT_PREFILL_CHUNK, Engine, Request
 from errors import SEED, error_boundary, finite_float, int_in, positive_int
 from load import DEFAULT_CHECKPOINT, PRECISIONS, add_placement_flags, log, placement
-import responses_api
 from packed_cache import load_with_tokenizer
 from reasoning import Reasoning, ReasoningStream
+import responses_api
 from structured import json_grammar
 from tools import Tools, ToolStream, encode_conversation, read_messages
 
@@ -135,16 +135,49 @@ def response_schema(body: dict) -> Optional[dict]:
                         f"{json.dumps(kind)[:50]}", param="response_format")
 
 
-def answer_grammar(params: dict, tools: Optional[Tools]) -> tuple:
+def answer_grammar(params: dict, tools: Optional[Tools], thinking: Optional[Reasoning]) -> tuple:
     """-> (the grammar an answer follows: the tools' calls and/or response_format's schema, None
-    where it is free; the text that starts it, None: from the first token)."""
+    where it is free; what starts it, None: the first token). A thinking model's calls are looked
+    for after its thinking."""
     schema = params["response_schema"]
     try:
-        if tools is not None:
-            return tools.grammar(schema)
-        return (json_grammar(schema) if schema is not None else None), None
+        if tools is None:
+            return (json_grammar(schema) if schema is not None else None), None
+        grammar, trigger = tools.grammar(schema)
     except ValueError as e:
         raise APIError(400, str(e), param="tools" if tools is not None else "response_format") from None
+    return grammar, thinking.after_thinking(trigger) if thinking is not None and trigger is not None else trigger
+
+
+class Answer:
+    """One answer as the client reads it: a thinking model's thought apart (reasoning.py), the tool
+    calls read out of the rest (tools.py); streamed piece by piece, or whole."""
+
+    def __init__(self, thinking: Optional[Reasoning], tools: Optional[Tools]):
+        self.thinking, self.tools = thinking, tools
+        self.thoughts = ReasoningStream(thinking) if thinking is not None else None
+        self.calls = ToolStream(tools) if tools is not None else None
+
+    def feed(self, text: str, final: bool) -> tuple:
+        """A new piece -> (new thought, new text to show, the calls: on the last piece)."""
+        thought, calls = "", []
+        if self.thoughts is not None:
+            thought, text = self.thoughts.feed(text, final)
+        if self.calls is not None:  # text that may be a call is held until the answer is read
+            text = self.calls.feed(text)
+            if final:
+                rest, calls = self.calls.finish()
+                text += rest
+        return thought, text, calls
+
+    def read(self, text: str) -> tuple:
+        """The whole answer -> (its thought, None where it has none; its text; its calls)."""
+        thought, text = self.thinking.split(text) if self.thinking is not None else (None, text)
+        calls = []
+        if self.tools is not None:
+            content, calls = self.tools.parse(text)
+            text = content.strip() if calls else text
+        return thought, text, calls
 
 
 def read_tools(body: dict, tokenizer) -> Optional[Tools]:
@@ -405,9 +438,7 @@ def make_app(server: Server):
             if max_tokens is not None and max_tokens < 1 and not score_only:
                 raise APIError(400, f"'max_tokens' must be at least 1 (0 only with echo), got {max_tokens}",
                                param="max_tokens")
-            params["grammar"], params["grammar_trigger"] = answer_grammar(params, tools)
-            if thinking is not None and params["grammar_trigger"] is not None:
-                params["grammar_trigger"] = thinking.after_thinking(params["grammar_trigger"])
+            params["grammar"], params["grammar_trigger"] = answer_grammar(params, tools, thinking)
             if server.stop.is_set():
                 raise APIError(503, "the server is shutting down", kind="server_error")
             ids, queue = server.submit(prompts, params, 1 if score_only else max_tokens, logprobs, score_prompt=echo)
@@ -453,8 +484,7 @@ def make_app(server: Server):
                         yield json.dumps({**base, "choices": [{"index": c, "delta": first,
                                                                 "logprobs": None, "finish_reason": None}], **extra})
                 sent_text = [False] * len(ids)
-                streams = [ToolStream(tools) for _ in ids] if tools is not None else None
-                thoughts = [ReasoningStream(thinking) for _ in ids] if thinking is not None else None
+                answers = [Answer(thinking, tools) for _ in ids]
                 completion_tokens = 0
                 async for c, out in outputs(request, ids, queue):
                     out = shown(out)
@@ -463,21 +493,14 @@ def make_app(server: Server):
                     text, reason = out.text, out.finish_reason
                     if not sent_text[c] and prefix[c]:
                         text, sent_text[c] = prefix[c] + text, True
-                    thought = ""
-                    if thoughts is not None:  # the thinking apart, as reasoning_content
-                        thought, text = thoughts[c].feed(text, final=reason is not None)
-                    if streams is not None:  # text that may be a call is held until the answer is read
-                        text = streams[c].feed(text)
-                        if reason is not None:
-                            rest, calls = streams[c].finish()
-                            text += rest
-                            reason = call_reason(reason, calls)
-                            if calls:  # in a chunk of their own before the last, as OpenAI sends them
-                                delta = {"content": text} if text else {}
-                                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
-                                yield json.dumps({**base, "choices": [{"index": c, "delta": delta, "logprobs": None,
-                                                                       "finish_reason": None}], **extra})
-                                text = ""
+                    thought, text, calls = answers[c].feed(text, final=reason is not None)
+                    if calls:  # in a chunk of their own before the last, as OpenAI sends them
+                        reason = call_reason(reason, calls)
+                        delta = {"content": text} if text else {}
+                        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                        yield json.dumps({**base, "choices": [{"index": c, "delta": delta, "logprobs": None,
+                                                               "finish_reason": None}], **extra})
+                        text = ""
                     if not text and not thought and reason is None and logprobs is None:
                         continue
                     if chat:
@@ -515,13 +538,11 @@ def make_app(server: Server):
         if chat:
             choices = []
             for c in range(len(ids)):
-                thought, text = thinking.split(texts[c]) if thinking is not None else (None, texts[c])
+                thought, text, calls = Answer(thinking, tools).read(texts[c])
                 message, reason = {"role": "assistant", "content": text}, reasons[c]
-                if tools is not None:
-                    content, calls = tools.parse(text)
-                    if calls:
-                        message = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
-                        reason = call_reason(reason, calls)
+                if calls:
+                    message = {"role": "assistant", "content": text or None, "tool_calls": calls}
+                    reason = call_reason(reason, calls)
                 if thought is not None:
                     message["reasoning_content"] = thought
                 choices.append({"index": c, "message": message, "finish_reason": reason,
@@ -540,7 +561,7 @@ def make_app(server: Server):
         return await completion(request, chat=False)
 
     async def responses(request):
-        """OpenAI's Responses API: the request read as a chat completion (responses.py), the answer
+        """OpenAI's Responses API: the request read as a chat completion (responses_api.py), the answer
         given back as output items, whole or as typed events."""
         try:
             body = await read_body(request)
@@ -552,9 +573,7 @@ def make_app(server: Server):
             tools = read_tools(chat, server.tokenizer)
             prompt = chat_prompt(chat, server.tokenizer, tools)
             thinking = Reasoning.of(server.tokenizer, prompt)
-            params["grammar"], params["grammar_trigger"] = answer_grammar(params, tools)
-            if thinking is not None and params["grammar_trigger"] is not None:
-                params["grammar_trigger"] = thinking.after_thinking(params["grammar_trigger"])
+            params["grammar"], params["grammar_trigger"] = answer_grammar(params, tools, thinking)
             max_tokens = get(chat, "max_tokens", "int", None, lambda v: v >= 1, "at least 1")
             if server.stop.is_set():
                 raise APIError(503, "the server is shutting down", kind="server_error")
@@ -564,9 +583,7 @@ def make_app(server: Server):
         except ClientDisconnect:
             return PlainTextResponse("", status_code=499)
         server.requests.labels("responses", "200").inc()
-        response = responses_api.Response(body, server.model_name)
-        thoughts = ReasoningStream(thinking) if thinking is not None else None
-        calls_stream = ToolStream(tools) if tools is not None else None
+        response, answer = responses_api.Response(body, server.model_name), Answer(thinking, tools)
         tokens, cached, text, reason = 0, 0, "", None
         if params["stream"]:
             async def events():
@@ -576,13 +593,7 @@ def make_app(server: Server):
                 async for _, out in outputs(request, ids, queue):
                     tokens, cached = tokens + len(out.token_ids), out.cached_tokens
                     final = out.finish_reason is not None
-                    thought, piece = thoughts.feed(out.text, final) if thoughts is not None else ("", out.text)
-                    calls = []
-                    if calls_stream is not None:
-                        piece = calls_stream.feed(piece)
-                        if final:
-                            rest, calls = calls_stream.finish()
-                            piece += rest
+                    thought, piece, calls = answer.feed(out.text, final)
                     produced = response.delta(thought, piece)
                     if final:
                         produced += response.finish(calls, out.finish_reason,
@@ -596,13 +607,8 @@ def make_app(server: Server):
             text += out.text
         if reason is None:  # the client went away
             return PlainTextResponse("", status_code=499)
-        thought, text = thinking.split(text) if thinking is not None else (None, text)
-        calls = []
-        if tools is not None:
-            content, calls = tools.parse(text)
-            text = content.strip() if calls else text
         used = responses_api.usage(len(prompt), tokens, cached)
-        return JSONResponse(response.whole(thought, text, calls, reason, used))
+        return JSONResponse(response.whole(*answer.read(text), reason, used))
 
     async def models(request):
         try:
