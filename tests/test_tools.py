@@ -305,9 +305,10 @@ def test_real_model_calls_the_right_tool(default_model):
 # ---------------------------------------------------------------------------------------------
 # Through the server and the official client
 
-@pytest.fixture(scope="module", params=["hermes", "none"])
+@pytest.fixture(scope="module", params=[pytest.param("hermes", marks=pytest.mark.slow), "none"])
 def tool_server(request, tiny, tmp_path_factory):
-    """The server on the tiny model, its template taking tools (hermes) or not."""
+    """The server on the tiny model, its template taking tools (hermes) or not. The default run
+    keeps the one SmolLM2's template takes (none); the server's code is the same for both."""
     from test_server import KEY, start_server, stop_server
     path = tiny[0]
     d = tmp_path_factory.mktemp(f"server-{request.param}")
