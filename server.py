@@ -611,12 +611,17 @@ def make_app(server: Server):
         return JSONResponse(response.whole(*answer.read(text), reason, used))
 
     async def models(request):
+        """The model list, or one model by its id (GET /v1/models/{id}, the client's retrieve)."""
+        card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "brisk"}
         try:
             check_key(request)
+            wanted = request.path_params.get("model")
+            if wanted is not None and wanted != server.model_name:
+                raise APIError(404, f"the model '{wanted}' does not exist; this server has '{server.model_name}'",
+                               param="model", code="model_not_found")
         except APIError as e:
             return error_response(e, "models")
-        return JSONResponse({"object": "list", "data": [{"id": server.model_name, "object": "model",
-                                                         "created": server.created, "owned_by": "brisk"}]})
+        return JSONResponse(card if wanted is not None else {"object": "list", "data": [card]})
 
     # vLLM's tokenizer endpoints, which lm-eval's remote tokenizer reads (`local-completions` with
     # nothing but base_url): a client counts and splits tokens as this model does.
@@ -674,7 +679,8 @@ def make_app(server: Server):
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/responses", responses, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics), Route("/", index),
+              Route("/v1/models", models), Route("/v1/models/{model:path}", models), Route("/health", health),
+              Route("/metrics", metrics), Route("/", index),
               Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
               Route("/tokenizer_info", tokenizer_info)]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error})

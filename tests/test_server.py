@@ -309,6 +309,10 @@ def test_tokenizer_endpoints(server):
 def test_models_and_health(client, server):
     import httpx
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    import openai
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-9")
     assert httpx.get(server + "/health").json()["status"] == "ok"
 
 
