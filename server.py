@@ -187,9 +187,8 @@ def read_tools(body: dict, tokenizer) -> Optional[Tools]:
         raise APIError(400, "this model has no chat template; use /v1/completions")
     try:
         return Tools.read(body.get("tools"), body.get("tool_choice"), parallel, tokenizer)
-    except ValueError as e:
-        param = "tools" if str(e).startswith(("'tools'", "tools[")) else "tool_choice"
-        raise APIError(400, str(e), param=param) from None
+    except ValueError as e:  # a ToolsError names its field; else the template failed
+        raise APIError(400, str(e), param=getattr(e, "param", None)) from None
 
 
 def chat_prompt(body: dict, tokenizer, tools: Optional[Tools] = None) -> list:

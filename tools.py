@@ -69,23 +69,32 @@ def new_call_id(short: bool = False) -> str:
     return uuid.uuid4().hex[:9] if short else "call_" + uuid.uuid4().hex[:24]
 
 
+class ToolsError(ValueError):
+    """A fault in a request's tools or tool_choice; param names which of the two."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 def read_tool_list(tools) -> list:
     """OpenAI's `tools` -> the same entries, checked; a ValueError naming the first fault."""
     if not isinstance(tools, list) or not tools:
-        raise ValueError("'tools' must be a non-empty list of {\"type\": \"function\", \"function\": {...}} objects")
+        raise ToolsError("'tools' must be a non-empty list of {\"type\": \"function\", \"function\": {...}} objects",
+                         "tools")
     names = set()
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
                 not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", fn["name"]):
-            raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} with "
-                             "a name of 1-64 letters, digits, _ . or -")
+            raise ToolsError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} with "
+                             "a name of 1-64 letters, digits, _ . or -", "tools")
         if not isinstance(fn.get("parameters", {}), dict):
-            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+            raise ToolsError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
         if not isinstance(fn.get("description", ""), str):
-            raise ValueError(f"tools[{i}].function.description must be a string")
+            raise ToolsError(f"tools[{i}].function.description must be a string", "tools")
         if fn["name"] in names:
-            raise ValueError(f"tools[{i}]: the name {fn['name']!r} is given twice")
+            raise ToolsError(f"tools[{i}]: the name {fn['name']!r} is given twice", "tools")
         names.add(fn["name"])
     return tools
 
@@ -113,7 +122,7 @@ class Tools:
         tool_choice "none"). ValueError naming the fault."""
         if tools is None:
             if tool_choice not in (None, "none"):
-                raise ValueError("'tool_choice' needs 'tools'")
+                raise ToolsError("'tool_choice' needs 'tools'", "tool_choice")
             return None
         specs = read_tool_list(tools)
         if tool_choice in (None, "auto", "required"):
@@ -124,10 +133,11 @@ class Tools:
                 isinstance(tool_choice.get("function"), dict):
             choice = tool_choice["function"].get("name")
             if choice not in {t["function"]["name"] for t in specs}:
-                raise ValueError(f"'tool_choice' names the function {choice!r}, which is not among 'tools'")
+                raise ToolsError(f"'tool_choice' names the function {choice!r}, which is not among 'tools'",
+                                 "tool_choice")
         else:
-            raise ValueError("'tool_choice' must be \"none\", \"auto\", \"required\" or "
-                             "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+            raise ToolsError("'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                             "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
         native = tokenizer.chat_template_takes("tools")
         style = HERMES if not native or OPEN in tokenizer.chat_template else JSON
         key = "parameters" if style == JSON and '"parameters"' in tokenizer.chat_template else "arguments"
