@@ -286,7 +286,7 @@ class ToolStream:
         if self.tools.style == JSON:  # a call is the whole answer: its first character tells
             head = self.text.lstrip()
             return 0 if self.shown == 0 and (not head or head[0] in "{[") else len(self.text)
-        if (i := self.text.find(OPEN)) >= 0:
+        if (i := self.text.find(OPEN, self.shown)) >= 0:  # nothing shown is a tag's start: look past it
             return i
         for k in range(min(len(OPEN) - 1, len(self.text)), 0, -1):  # a tail that may be the tag's start
             if self.text.endswith(OPEN[:k]):
