@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_type(scaling: Optional[dict]) -> str:
@@ -40,17 +40,41 @@ def rope_frequencies(rope_dim: int, base: float, scaling: Optional[dict], seq_le
         long = seq_len > scaling["original_max_position_embeddings"]
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float64)
         return inv_freq / factors
+    if kind == "yarn":
+        # YaRN (Qwen3 and gpt-oss long contexts, DeepSeek): frequencies that turn fewer than beta_slow
+        # times over the original context are interpolated (divided by `factor`), those that turn more
+        # than beta_fast times are kept, with a linear ramp between the two (in dimension index).
+        factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+
+        def dim_of(turns):  # the (fractional) dimension index whose frequency turns `turns` times over old_len
+            return rope_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, rope_dim - 1)
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / (high - low or 0.001)).clamp(0, 1)
+        return inv_freq / factor * ramp + inv_freq * (1 - ramp)
     raise ValueError(f"unsupported rope scaling {kind!r}; supported: {', '.join(ROPE_TYPES)}")
 
 
 def rope_attention_factor(scaling: Optional[dict]) -> float:
-    """What longrope multiplies cos and sin by, so attention logits keep their scale at long contexts."""
-    if rope_type(scaling) != "longrope":
+    """What longrope and YaRN multiply cos and sin by, so attention logits keep their scale at long contexts."""
+    kind = rope_type(scaling)
+    if kind not in ("longrope", "yarn"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return scaling["attention_factor"]
     factor = scaling["factor"]
-    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
+    if kind == "longrope":
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
+
+    def mscale(m):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):  # DeepSeek's form
+        return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+    return mscale(1.0)
 
 
 def precompute_rope(seq_len: int, rope_dim: int, base: float, scaling: Optional[dict] = None) -> Tensor:

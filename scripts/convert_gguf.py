@@ -61,6 +61,7 @@ WEIGHT_MAP = {
 # Phi-3 keeps gate and up fused in ffn_up as [2I, D].
 ARCH_WEIGHT_MAP = {"phi3": {"blk.{}.ffn_up.weight": "layers.{}.feed_forward.w13.weight"}}
 ROPE_FREQS = "rope_freqs.weight"  # LLaMA 3.1+ stores its rope scaling as per-frequency divisors
+YARN_FIELDS = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow", "attention_factor": "yarn_attn_factor"}
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
 NOT_WEIGHTS = (ROPE_FREQS, *ROPE_FACTORS)
 
@@ -206,8 +207,17 @@ def rope_scaling_from_gguf(reader, arch, tensors, head_dim, rope_base):
     kind = field(reader, f"{arch}.rope.scaling.type", "none")
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(field(reader, f"{arch}.rope.scaling.factor"))}
+    if kind == "yarn":  # llama.cpp's names for the keys of transformers' YaRN
+        scaling = {"rope_type": "yarn", "factor": float(field(reader, f"{arch}.rope.scaling.factor")),
+                   "original_max_position_embeddings": field(reader, f"{arch}.rope.scaling.original_context_length")}
+        for key, name in YARN_FIELDS.items():
+            if field(reader, f"{arch}.rope.scaling.{name}") is not None:
+                scaling[key] = field(reader, f"{arch}.rope.scaling.{name}")
+        if field(reader, f"{arch}.rope.scaling.yarn_log_multiplier"):  # DeepSeek's mscale_all_dim (mscale 1)
+            scaling.update(mscale=1.0, mscale_all_dim=field(reader, f"{arch}.rope.scaling.yarn_log_multiplier"))
+        return scaling
     if kind != "none":
-        raise ValueError(f"unsupported GGUF rope scaling {kind!r}; supported: linear, LLaMA 3 rope_freqs")
+        raise ValueError(f"unsupported GGUF rope scaling {kind!r}; supported: linear, yarn, LLaMA 3 rope_freqs")
     if ROPE_FACTORS[0] in tensors:
         # Phi-3 128k: llama.cpp stores longrope's two factor sets as tensors.
         original = field(reader, f"{arch}.rope.scaling.original_context_length")

@@ -159,6 +159,9 @@ def config_from_hf(hf: dict) -> ModelArgs:
     )
 
 
+YARN_KEYS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
+
+
 def rope_from_hf(hf: dict, model_type: str) -> tuple:
     """(rope_base, rope_scaling, rope_local_base, partial_rotary_factor) from either config form:
     hub checkpoints carry rope_theta / rope_scaling, transformers 5 writes rope_parameters (per
@@ -183,6 +186,12 @@ def rope_from_hf(hf: dict, model_type: str) -> tuple:
                    # Phi-3 derives the attention factor from the context's growth (transformers does the same).
                    "factor": scaling.get("factor") or hf["max_position_embeddings"] / orig,
                    "attention_factor": scaling.get("attention_factor")}
+    if kind == "yarn":  # transformers' defaults written out, so config.json says what runs
+        orig = (scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+                or hf["max_position_embeddings"])
+        scaling = {"rope_type": "yarn", "factor": scaling.get("factor") or hf["max_position_embeddings"] / orig,
+                   "original_max_position_embeddings": orig,
+                   **{k: scaling[k] for k in YARN_KEYS if scaling.get(k) is not None}}
     rope_local_base = None
     if model_type == "gemma3_text":
         if local is not None and rope_type(local) != "default":

@@ -33,6 +33,17 @@ VARIANTS = {
     "phi3_partial_rotary": ("phi3", dict(partial_rotary_factor=0.5, sliding_window=None, tie_word_embeddings=True)),
     "smollm3_window": ("smollm3", dict(use_sliding_window=True, sliding_window=8, tie_word_embeddings=False)),
     "olmo2_tied_gqa4": ("olmo2", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    # YaRN as Qwen3's model card adds it for long contexts: the factor, the original context.
+    "qwen3_yarn": ("qwen3", dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                      original_max_position_embeddings=64))),
+    # DeepSeek's form (mscale over mscale_all_dim) and other betas; the factor from the context's growth.
+    "llama_yarn_mscale": ("llama2", dict(num_key_value_heads=2, max_position_embeddings=512, rope_parameters=dict(
+        rope_type="yarn", rope_theta=50000.0, factor=None, original_max_position_embeddings=64, beta_fast=16,
+        beta_slow=2, mscale=1.2, mscale_all_dim=0.8))),
+    # gpt-oss's form: an explicit attention factor, no truncation of the ramp.
+    "qwen3_yarn_untruncated": ("qwen3", dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=150000.0, factor=32.0, original_max_position_embeddings=16,
+        attention_factor=1.1, truncate=False))),
 }
 
 
@@ -136,7 +147,7 @@ def test_gptq_runs_block_by_block_with_each_layers_window(converted):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "unsupported rope_scaling rope_type 'yarn'"),
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 4.0}, "unsupported rope_scaling rope_type 'dynamic'"),
     ("hidden_act", "gelu", "unsupported hidden_act 'gelu'"),
     ("attention_bias", True, "unsupported attention_bias=true"),
 ])
@@ -170,3 +181,17 @@ def test_compiled_decode_equals_eager(family, converted):
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = generate(model, prompt, 24, temperature=0.0, decode_fn=compile_step(decode_one_token, "cpu"))
     assert compiled.tolist() == eager.tolist()
+
+
+def test_yarn_in_the_hubs_form():
+    """Qwen3's model card adds YaRN as `rope_scaling` beside `rope_theta`; the converter writes out
+    what transformers defaults (the original context, the factor from the context's growth)."""
+    hf = make_hf_model("qwen3").config.to_dict()
+    hf.pop("rope_parameters")
+    hf.update(rope_theta=1e6, max_position_embeddings=131072,
+              rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    assert config_from_hf(hf).rope_scaling == {"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 32768}
+    hf["rope_scaling"] = {"type": "yarn"}  # older keys, nothing but the type: the whole context is the original
+    assert config_from_hf(hf).rope_scaling == {"rope_type": "yarn", "factor": 1.0,
+                                               "original_max_position_embeddings": 131072}

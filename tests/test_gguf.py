@@ -109,6 +109,14 @@ def write_gguf(path, state: dict, c: ModelArgs, qtype=T.F32, arch="llama", vocab
         tensors["rope_factors_short.weight"] = torch.tensor(s["short_factor"])
     elif kind == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_freqs(c)
+    elif kind == "yarn":  # as llama.cpp's convert_hf_to_gguf.py writes it
+        s = c.rope_scaling
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(s["factor"])
+        w.add_rope_scaling_orig_ctx_len(s["original_max_position_embeddings"])
+        for key in ("attention_factor", "beta_fast", "beta_slow"):
+            if key in s:
+                getattr(w, f"add_rope_scaling_yarn_{key.replace('attention', 'attn')}")(s[key])
     add_vocab(w, vocab or toy_vocab(c.vocab_size))
     for name, t in state.items():
         i = name.split(".")[1] if name.startswith("layers.") else None
@@ -222,6 +230,10 @@ FAMILY_ROUND_TRIPS = {
     "phi3_window": ("phi3", "phi3", {}),
     "phi4_longrope": ("phi3", "phi4_longrope", {}),
     "olmo2": ("olmo2", "olmo2", {}),
+    "qwen3_yarn": ("qwen3", "qwen3", dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, beta_fast=16.0))),
+    "qwen3_yarn_attention_factor": ("qwen3", "qwen3", dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32, attention_factor=1.25))),
 }
 
 
