@@ -3,7 +3,7 @@
 
 Plain single-device PyTorch: quantize.py swaps its linears and tp.py shards it from outside.
 Variants (GQA, q/k/v bias, tied embeddings, rope scaling, mixture of experts, q/k norms, Gemma's
-norms, GeGLU and soft-capping, per-layer sliding windows and RoPE) come from `ModelArgs`, which
+norms, GeGLU and soft-capping, Granite's multipliers, per-layer sliding windows and RoPE) come from `ModelArgs`, which
 the converters write as config.json beside the weights; the defaults are LLaMA's.
 """
 import json
@@ -50,6 +50,8 @@ class ModelArgs:
     attention_scale: Optional[float] = None  # softmax scale; None: head_dim ** -0.5
     attn_logit_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcap: Optional[float] = None  # the same on the output logits (Gemma 2)
+    residual_scale: Optional[float] = None  # each sublayer's output times this before the residual add (Granite)
+    logit_divisor: Optional[float] = None  # the output logits divided by this (Granite's logits_scaling)
     sliding_window_layers: Optional[list] = None  # layers that use sliding_window; None: all of them
     rope_local_base: Optional[float] = None  # RoPE base of the sliding-window layers, unscaled (Gemma 3)
     rope_dim: Optional[int] = None  # leading dims of each head that RoPE rotates (partial rotary); None: head_dim
@@ -320,6 +322,8 @@ class Transformer(nn.Module):
         elif last_only:
             x = x[:, -1:]
         logits = self.output(self.norm(x))
+        if c.logit_divisor is not None:
+            logits = logits / c.logit_divisor
         if c.final_logit_softcap is not None:
             logits = c.final_logit_softcap * torch.tanh(logits / c.final_logit_softcap)
         return logits
@@ -357,11 +361,16 @@ class TransformerBlock(nn.Module):
         norm = lambda on: RMSNorm(config.dim, config.norm_eps, config.norm_offset) if on else nn.Identity()
         self.attention_norm, self.ffn_norm = norm(pre), norm(pre)
         self.post_attention_norm, self.post_ffn_norm = norm(post), norm(post)
+        self.residual_scale = config.residual_scale
 
     def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Optional[Tensor],
                 cache_rows: Optional[Tensor] = None) -> Tensor:
-        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), input_pos, rope, mask, cache_rows))
-        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
+        h = x + self.scaled(self.post_attention_norm(self.attention(self.attention_norm(x), input_pos, rope, mask,
+                                                                    cache_rows)))
+        return h + self.scaled(self.post_ffn_norm(self.feed_forward(self.ffn_norm(h))))
+
+    def scaled(self, y: Tensor) -> Tensor:
+        return y if self.residual_scale is None else y * self.residual_scale
 
 
 BLOCK_NORMS = {"pre": (True, False), "sandwich": (True, True), "post": (False, True)}  # (before, after)

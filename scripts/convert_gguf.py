@@ -26,7 +26,8 @@ from model import ModelArgs  # noqa: E402
 from rope import rope_frequencies  # noqa: E402
 from scripts.convert_hf_checkpoint import check_against_model, split_gate_up  # noqa: E402
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "olmo2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "olmo2", "granite")
+PERMUTED = ("llama", "granite")  # llama.cpp's converter interleaves these architectures' q/k rows
 GEMMA = ("gemma2", "gemma3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -143,7 +144,7 @@ def config_from_gguf(reader) -> ModelArgs:
         raise ValueError("GGUF has no token_embd.weight tensor")
     n_layer = get("block_count")
     rope_dim = field(reader, f"{arch}.rope.dimension_count")
-    head_dim = get("attention.key_length", rope_dim if arch == "llama" and rope_dim else dim // n_head)
+    head_dim = get("attention.key_length", rope_dim if arch in PERMUTED and rope_dim else dim // n_head)
     rope_base = float(get("rope.freq_base", 10000.0))
     experts = get("expert_count", 0)
     # A MoE file whose layer has no router keeps the dense feed-forward there.
@@ -175,8 +176,12 @@ def config_from_gguf(reader) -> ModelArgs:
         norm_offset=1.0 if gemma else 0.0,
         block_norms="sandwich" if gemma else "post" if arch == "olmo2" else "pre",
         hidden_act="gelu_tanh" if gemma else "silu",
-        embedding_scale=dim ** 0.5 if gemma else None,
-        attention_scale=gemma_attention_scale(arch, n_layer, dim, n_head, head_dim) if gemma else None,
+        # Granite's multipliers: llama.cpp's names, absent where the file leaves them out.
+        embedding_scale=dim ** 0.5 if gemma else field(reader, f"{arch}.embedding_scale"),
+        attention_scale=(gemma_attention_scale(arch, n_layer, dim, n_head, head_dim) if gemma
+                         else field(reader, f"{arch}.attention.scale")),
+        residual_scale=field(reader, f"{arch}.residual_scale"),
+        logit_divisor=field(reader, f"{arch}.logit_scale"),
         attn_logit_softcap=field(reader, f"{arch}.attn_logit_softcapping"),
         final_logit_softcap=field(reader, f"{arch}.final_logit_softcapping"),
         sliding_window_layers=sliding_layers(reader, arch, n_layer) if window else None,
@@ -331,7 +336,7 @@ def convert_tensors(reader, config: ModelArgs, dtype=None) -> dict:
                 raise ValueError(f"blk.{i}.attn_{x}.weight has {rows} rows but the metadata says {heads} heads of "
                                  f"{config.head_dim}: the GGUF file is inconsistent")
         q, k = state.pop(p + "wq.weight"), state.pop(p + "wk.weight")
-        if arch == "llama":
+        if arch in PERMUTED:
             q, k = unpermute(q, config.n_head), unpermute(k, config.n_local_heads)
         state[p + "wqkv.weight"] = torch.cat([q, k, state.pop(p + "wv.weight")])
         if config.attention_bias:

@@ -22,7 +22,7 @@ from model import ModelArgs  # noqa: E402
 from rope import ROPE_TYPES, rope_type  # noqa: E402
 
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
-             "smollm3", "olmo2")
+             "smollm3", "olmo2", "granite")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 
@@ -86,6 +86,7 @@ HF_DEFAULTS = {
     "qwen2": dict(max_window_layers=28),
     "qwen3": dict(max_window_layers=28),
     "qwen3_moe": dict(max_window_layers=28, norm_topk_prob=False, decoder_sparse_step=1),
+    "granite": dict(embedding_multiplier=1.0, attention_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0),
 }
 DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0}
 # HF activation name -> ModelArgs.hidden_act
@@ -123,7 +124,7 @@ def config_from_hf(hf: dict) -> ModelArgs:
         uses_rope = hf.get("no_rope_layers") or [int((i + 1) % hf["no_rope_layer_interval"] != 0)
                                                  for i in range(n_layer)]
         no_rope = [i for i, rope in enumerate(uses_rope) if not rope] or None
-    gemma = model_type in GEMMA
+    gemma, granite = model_type in GEMMA, model_type == "granite"
     return ModelArgs(
         block_size=hf["max_position_embeddings"],
         vocab_size=hf["vocab_size"],
@@ -148,8 +149,11 @@ def config_from_hf(hf: dict) -> ModelArgs:
         norm_offset=1.0 if gemma else 0.0,
         block_norms="sandwich" if gemma else "post" if model_type == "olmo2" else "pre",
         hidden_act=ACTIVATIONS[act],
-        embedding_scale=hf["hidden_size"] ** 0.5 if gemma else None,
-        attention_scale=hf["query_pre_attn_scalar"] ** -0.5 if gemma else None,
+        embedding_scale=hf["hidden_size"] ** 0.5 if gemma else hf["embedding_multiplier"] if granite else None,
+        attention_scale=(hf["query_pre_attn_scalar"] ** -0.5 if gemma else hf["attention_multiplier"] if granite
+                         else None),
+        residual_scale=hf["residual_multiplier"] if granite else None,
+        logit_divisor=hf["logits_scaling"] if granite else None,
         attn_logit_softcap=hf.get("attn_logit_softcapping") if gemma else None,
         final_logit_softcap=hf.get("final_logit_softcapping") if gemma else None,
         sliding_window_layers=window_layers,

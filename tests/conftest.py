@@ -59,6 +59,11 @@ FAMILIES = {
     "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", dict(num_hidden_layers=3, num_key_value_heads=2, pad_token_id=0,
                                                              no_rope_layer_interval=2)),
     "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(num_key_value_heads=2)),
+    # Granite 3's multipliers (its 8B: 12, 1/128, 0.22, 16); untied: the tests' wide random
+    # embeddings, times 12 and tied, would make greedy repeat the last token.
+    "granite": ("GraniteForCausalLM", "GraniteConfig", dict(
+        num_key_value_heads=2, embedding_multiplier=12.0, attention_multiplier=1 / 16,
+        residual_multiplier=0.22, logits_scaling=4.0)),
 }
 
 

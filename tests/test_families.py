@@ -16,7 +16,7 @@ from decode import generate
 from load import load_model
 from scripts.convert_hf_checkpoint import config_from_hf
 
-NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3", "olmo2"]
+NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3", "olmo2", "granite"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -33,6 +33,9 @@ VARIANTS = {
     "phi3_partial_rotary": ("phi3", dict(partial_rotary_factor=0.5, sliding_window=None, tie_word_embeddings=True)),
     "smollm3_window": ("smollm3", dict(use_sliding_window=True, sliding_window=8, tie_word_embeddings=False)),
     "olmo2_tied_gqa4": ("olmo2", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    # transformers' defaults (every multiplier 1: no 1/sqrt(head_dim) either), tied, MHA.
+    "granite_defaults": ("granite", dict(num_key_value_heads=4, tie_word_embeddings=True, embedding_multiplier=1.0,
+                                         attention_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0)),
     # YaRN as Qwen3's model card adds it for long contexts: the factor, the original context.
     "qwen3_yarn": ("qwen3", dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                                       original_max_position_embeddings=64))),
@@ -80,6 +83,7 @@ EXPECTED_CONFIG = {
     "phi4_longrope": dict(rope_dim=12),
     "smollm3": dict(no_rope_layers=[1]),
     "olmo2": dict(qk_norm="all", block_norms="post"),
+    "granite": dict(embedding_scale=12.0, attention_scale=1 / 16, residual_scale=0.22, logit_divisor=4.0),
 }
 
 

@@ -65,7 +65,7 @@ def llama3_rope_freqs(c: ModelArgs) -> torch.Tensor:
 
 def write_gguf(path, state: dict, c: ModelArgs, qtype=T.F32, arch="llama", vocab=None, raw=None):
     """A GGUF file of a brisk state dict, as llama.cpp's convert_hf_to_gguf.py writes one for `arch`:
-    permuted q/k (llama only), Gemma's norms as 1 + weight, Phi-3's fused qkv and gate/up, 1-D
+    permuted q/k (llama and granite), Gemma's norms as 1 + weight, Phi-3's fused qkv and gate/up, 1-D
     tensors in F32, the others in qtype. vocab: the tokenizer.* metadata (default: a toy byte-level
     vocabulary); raw: GGUF name -> (bytes array, type) written instead of that tensor."""
     w = gguf.GGUFWriter(str(path), arch)
@@ -96,6 +96,11 @@ def write_gguf(path, state: dict, c: ModelArgs, qtype=T.F32, arch="llama", vocab
         w.add_final_logit_softcapping(c.final_logit_softcap)
     if c.rope_local_base is not None:
         w.add_rope_freq_base_swa(c.rope_local_base)
+    if arch == "granite":
+        w.add_embedding_scale(c.embedding_scale)
+        w.add_attention_scale(c.attention_scale)
+        w.add_residual_scale(c.residual_scale)
+        w.add_logit_scale(c.logit_divisor)
     tensors = {}
     kind = (c.rope_scaling or {}).get("rope_type")
     if kind == "linear":
@@ -126,7 +131,7 @@ def write_gguf(path, state: dict, c: ModelArgs, qtype=T.F32, arch="llama", vocab
             tensors[f"blk.{i}.attn_qkv.weight"] = t
         elif name.endswith("wqkv.weight") or name.endswith("wqkv.bias"):
             q, k, v = t.split([c.n_head * c.head_dim, c.n_local_heads * c.head_dim, c.n_local_heads * c.head_dim])
-            if arch == "llama":
+            if arch in ("llama", "granite"):
                 q, k = llama_cpp_permute(q, c.n_head), llama_cpp_permute(k, c.n_local_heads)
             for x, part in zip("qkv", (q, k, v)):
                 tensors[f"blk.{i}.attn_{x}.{name.rpartition('.')[2]}"] = part
@@ -230,6 +235,7 @@ FAMILY_ROUND_TRIPS = {
     "phi3_window": ("phi3", "phi3", {}),
     "phi4_longrope": ("phi3", "phi4_longrope", {}),
     "olmo2": ("olmo2", "olmo2", {}),
+    "granite": ("granite", "granite", {}),
     "qwen3_yarn": ("qwen3", "qwen3", dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, beta_fast=16.0))),
     "qwen3_yarn_attention_factor": ("qwen3", "qwen3", dict(rope_parameters=dict(
