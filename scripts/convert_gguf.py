@@ -26,7 +26,9 @@ from model import ModelArgs  # noqa: E402
 from rope import rope_frequencies  # noqa: E402
 from scripts.convert_hf_checkpoint import check_against_model, split_gate_up  # noqa: E402
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "olmo2", "granite")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "olmo2", "exaone4",
+                           "seed_oss", "granite")
+POST_NORMS = ("olmo2", "exaone4")  # x + norm(f(x)); OLMo 3 is architecture olmo2 with a window
 PERMUTED = ("llama", "granite")  # llama.cpp's converter interleaves these architectures' q/k rows
 GEMMA = ("gemma2", "gemma3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,8 +61,10 @@ WEIGHT_MAP = {
     "blk.{}.post_ffw_norm.weight": "layers.{}.post_ffn_norm.weight",
     "blk.{}.attn_qkv.weight": "layers.{}.attention.wqkv.weight",  # Phi-3: q, k, v fused in our order
 }
-# Phi-3 keeps gate and up fused in ffn_up as [2I, D].
-ARCH_WEIGHT_MAP = {"phi3": {"blk.{}.ffn_up.weight": "layers.{}.feed_forward.w13.weight"}}
+# Phi-3 keeps gate and up fused in ffn_up as [2I, D]; llama.cpp names Seed-OSS's pre-feed-forward norm
+# after its HF name (post_attention_layernorm).
+ARCH_WEIGHT_MAP = {"phi3": {"blk.{}.ffn_up.weight": "layers.{}.feed_forward.w13.weight"},
+                   "seed_oss": {"blk.{}.post_attention_norm.weight": "layers.{}.ffn_norm.weight"}}
 ROPE_FREQS = "rope_freqs.weight"  # LLaMA 3.1+ stores its rope scaling as per-frequency divisors
 YARN_FIELDS = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow", "attention_factor": "yarn_attn_factor"}
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
@@ -150,6 +154,14 @@ def config_from_gguf(reader) -> ModelArgs:
     # A MoE file whose layer has no router keeps the dense feed-forward there.
     dense = [i for i in range(n_layer) if f"blk.{i}.ffn_gate_inp.weight" not in tensors] if experts else []
     window = field(reader, f"{arch}.attention.sliding_window")
+    local_layers = sliding_layers(reader, arch, n_layer) if window else None
+    rope_scaling = rope_scaling_from_gguf(reader, arch, tensors, rope_dim or head_dim, rope_base)
+    rope_local_base = None
+    if arch == "gemma3":
+        rope_local_base = float(field(reader, f"{arch}.rope.freq_base_swa", 10000.0))
+    elif arch == "olmo2" and window and (rope_scaling or field(reader, f"{arch}.rope.freq_base_swa")):
+        # OLMo 3: the windowed layers keep plain RoPE where the global ones are scaled (llama.cpp does the same)
+        rope_local_base = float(field(reader, f"{arch}.rope.freq_base_swa", rope_base))
     gemma = arch in GEMMA
     return ModelArgs(
         block_size=get("context_length"),
@@ -161,7 +173,7 @@ def config_from_gguf(reader) -> ModelArgs:
         n_local_heads=n_local_heads,
         head_dim=head_dim,
         rope_base=rope_base,
-        rope_scaling=rope_scaling_from_gguf(reader, arch, tensors, rope_dim or head_dim, rope_base),
+        rope_scaling=rope_scaling,
         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         attention_bias="blk.0.attn_q.bias" in tensors,
         tie_embeddings="output.weight" not in tensors,
@@ -174,7 +186,7 @@ def config_from_gguf(reader) -> ModelArgs:
         dense_layers=dense or None,
         qk_norm="all" if arch == "olmo2" else "head" if "blk.0.attn_q_norm.weight" in tensors else None,
         norm_offset=1.0 if gemma else 0.0,
-        block_norms="sandwich" if gemma else "post" if arch == "olmo2" else "pre",
+        block_norms="sandwich" if gemma else "post" if arch in POST_NORMS else "pre",
         hidden_act="gelu_tanh" if gemma else "silu",
         # Granite's multipliers: llama.cpp's names, absent where the file leaves them out.
         embedding_scale=dim ** 0.5 if gemma else field(reader, f"{arch}.embedding_scale"),
@@ -184,9 +196,12 @@ def config_from_gguf(reader) -> ModelArgs:
         logit_divisor=field(reader, f"{arch}.logit_scale"),
         attn_logit_softcap=field(reader, f"{arch}.attn_logit_softcapping"),
         final_logit_softcap=field(reader, f"{arch}.final_logit_softcapping"),
-        sliding_window_layers=sliding_layers(reader, arch, n_layer) if window else None,
-        rope_local_base=float(field(reader, f"{arch}.rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
+        sliding_window_layers=local_layers,
+        rope_local_base=rope_local_base,
         rope_dim=rope_dim or head_dim,
+        # A windowed EXAONE 4 rotates its local layers only.
+        no_rope_layers=[i for i in range(n_layer) if i not in (local_layers or range(n_layer))] or None
+        if arch == "exaone4" and window else None,
     )
 
 
@@ -199,8 +214,10 @@ def gemma_attention_scale(arch: str, n_layer: int, dim: int, n_head: int, head_d
 
 def sliding_layers(reader, arch: str, n_layer: int):
     """Layers with the sliding window: llama.cpp's pattern of n is n - 1 local layers, then a global
-    one (Gemma 2: 2, Gemma 3: 6, unless the file lists them); other architectures window every layer."""
-    pattern = field(reader, f"{arch}.attention.sliding_window_pattern", {"gemma2": 2, "gemma3": 6}.get(arch))
+    one (Gemma 2: 2, Gemma 3: 6, OLMo 3 and EXAONE 4: 4, unless the file lists them); other architectures
+    window every layer."""
+    pattern = field(reader, f"{arch}.attention.sliding_window_pattern",
+                    {"gemma2": 2, "gemma3": 6, "olmo2": 4, "exaone4": 4}.get(arch))
     if pattern is None:
         return None
     if isinstance(pattern, list):  # one flag per layer
@@ -242,7 +259,8 @@ def llama3_scaling(divisors: torch.Tensor, head_dim: int, rope_base: float) -> d
 
     Between the two cut-offs a frequency is divided by 1 / ((1 - s) / factor + s), where s is linear
     in 1 / wavelength; only that line matters, so low_freq_factor is fixed to 1 (as in every LLaMA 3.x)
-    and the line gives the other two. The result is checked against the file either way.
+    and the line gives the other two; a single frequency between the cut-offs (small heads) fixes
+    high_freq_factor to LLaMA's 4 too. The result is checked against the file either way.
     """
     inv_freq = rope_frequencies(head_dim, rope_base, None)
     factor = float(divisors.max())
@@ -255,6 +273,9 @@ def llama3_scaling(divisors: torch.Tensor, head_dim: int, rope_base: float) -> d
         a, b = torch.linalg.lstsq(torch.stack([x, torch.ones_like(x)], dim=1), s[inner, None]).solution.flatten()
         high = 1 - 1 / float(b)
         scaling.update(high_freq_factor=round(high, 6), original_max_position_embeddings=round(float(a) * (high - 1)))
+    elif inner.sum() == 1:  # s = (original * x - 1) / (high - 1) with high = 4
+        x = float(inv_freq[inner][0]) / (2 * math.pi)
+        scaling.update(original_max_position_embeddings=round((float(s[inner][0]) * 3 + 1) / x))
     expected = inv_freq / rope_frequencies(head_dim, rope_base, scaling)
     if expected.shape != divisors.shape or not torch.allclose(expected, divisors, rtol=1e-4):
         raise ValueError(f"unsupported {ROPE_FREQS} tensor: not the LLaMA 3.1 rope scaling rule")

@@ -22,7 +22,7 @@ from model import ModelArgs  # noqa: E402
 from rope import ROPE_TYPES, rope_type  # noqa: E402
 
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
-             "smollm3", "olmo2", "granite")
+             "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 
@@ -69,10 +69,13 @@ _SANDWICH = {
     "model.layers.{}.pre_feedforward_layernorm.weight": "layers.{}.ffn_norm.weight",
     "model.layers.{}.post_feedforward_layernorm.weight": "layers.{}.post_ffn_norm.weight",
 }
+_POST = {k: v for k, v in _SANDWICH.items() if "pre_feedforward" not in k}
 FAMILY_WEIGHT_MAP = {
     "gemma2": _SANDWICH,
     "gemma3_text": _SANDWICH,
-    "olmo2": {k: v for k, v in _SANDWICH.items() if "pre_feedforward" not in k},
+    "olmo2": _POST,
+    "olmo3": _POST,
+    "exaone4": _POST,
 }
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
@@ -86,9 +89,14 @@ HF_DEFAULTS = {
     "qwen2": dict(max_window_layers=28),
     "qwen3": dict(max_window_layers=28),
     "qwen3_moe": dict(max_window_layers=28, norm_topk_prob=False, decoder_sparse_step=1),
+    "olmo3": dict(sliding_window=4096),
+    "exaone4": dict(sliding_window=4096, sliding_window_pattern=4),
+    "seed_oss": dict(attention_bias=True),
     "granite": dict(embedding_multiplier=1.0, attention_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0),
 }
-DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0}
+DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0, "olmo3": 500_000.0}
+QKV_BIAS = ("qwen2", "seed_oss")  # families whose attention_bias puts a bias on q/k/v only
+POST_NORMS = ("olmo2", "olmo3", "exaone4")  # x + norm(f(x))
 # HF activation name -> ModelArgs.hidden_act
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 GEMMA = ("gemma2", "gemma3_text")
@@ -107,7 +115,8 @@ def config_from_hf(hf: dict) -> ModelArgs:
     act = hf.get(act_key, "silu")
     if act not in ACTIVATIONS:
         raise ValueError(f"unsupported {act_key} {act!r}; supported: {', '.join(ACTIVATIONS)}")
-    for key in ("mlp_bias", "use_bidirectional_attention") + (("attention_bias",) if model_type != "qwen2" else ()):
+    for key in ("mlp_bias", "use_bidirectional_attention", "attention_out_bias") + (
+            ("attention_bias",) if model_type not in QKV_BIAS else ()):
         if hf.get(key):  # (attention_bias: these families put a bias on o_proj too)
             raise ValueError(f"unsupported {key}=true in the {model_type} config.json")
     if model_type == "qwen3_moe" and hf.get("shared_expert_intermediate_size"):
@@ -124,6 +133,8 @@ def config_from_hf(hf: dict) -> ModelArgs:
         uses_rope = hf.get("no_rope_layers") or [int((i + 1) % hf["no_rope_layer_interval"] != 0)
                                                  for i in range(n_layer)]
         no_rope = [i for i, rope in enumerate(uses_rope) if not rope] or None
+    if model_type == "exaone4" and window is not None:  # the global layers of a windowed EXAONE 4 have no RoPE
+        no_rope = [i for i in range(n_layer) if i not in (window_layers or range(n_layer))] or None
     gemma, granite = model_type in GEMMA, model_type == "granite"
     return ModelArgs(
         block_size=hf["max_position_embeddings"],
@@ -137,7 +148,7 @@ def config_from_hf(hf: dict) -> ModelArgs:
         rope_base=rope_base,
         rope_scaling=rope_scaling,
         norm_eps=hf["rms_norm_eps"],
-        attention_bias=model_type == "qwen2",
+        attention_bias=model_type in QKV_BIAS and bool(hf.get("attention_bias", True)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         sliding_window=window,
         num_experts=experts,
@@ -145,9 +156,10 @@ def config_from_hf(hf: dict) -> ModelArgs:
         moe_intermediate_size=hf.get("moe_intermediate_size") if model_type == "qwen3_moe" else None,
         norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
         dense_layers=dense,
-        qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "olmo2": "all"}.get(model_type),
+        qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "exaone4": "head", "olmo2": "all",
+                 "olmo3": "all"}.get(model_type),
         norm_offset=1.0 if gemma else 0.0,
-        block_norms="sandwich" if gemma else "post" if model_type == "olmo2" else "pre",
+        block_norms="sandwich" if gemma else "post" if model_type in POST_NORMS else "pre",
         hidden_act=ACTIVATIONS[act],
         embedding_scale=hf["hidden_size"] ** 0.5 if gemma else hf["embedding_multiplier"] if granite else None,
         attention_scale=(hf["query_pre_attn_scalar"] ** -0.5 if gemma else hf["attention_multiplier"] if granite
@@ -197,11 +209,14 @@ def rope_from_hf(hf: dict, model_type: str) -> tuple:
                    "original_max_position_embeddings": orig,
                    **{k: scaling[k] for k in YARN_KEYS if scaling.get(k) is not None}}
     rope_local_base = None
+    if local is not None and rope_type(local) != "default":  # Gemma 3, OLMo 3: the local layers are unscaled
+        raise ValueError(f"unsupported rope_parameters.sliding_attention rope_type {rope_type(local)!r}; "
+                         "supported: default")
     if model_type == "gemma3_text":
-        if local is not None and rope_type(local) != "default":
-            raise ValueError(f"unsupported rope_parameters.sliding_attention rope_type {rope_type(local)!r}; "
-                             "supported: default")
         rope_local_base = float((local or {}).get("rope_theta", hf["rope_local_base_freq"]))
+    if model_type == "olmo3":  # a hub config's rope_scaling applies to the full-attention layers only
+        local_base = float((local or {}).get("rope_theta", rope_base))
+        rope_local_base = local_base if kind != "default" or local_base != rope_base else None
     return rope_base, scaling if kind != "default" else None, rope_local_base, partial
 
 
@@ -221,6 +236,9 @@ def sliding_window_from_hf(hf: dict, model_type: str) -> tuple:
             types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
         elif model_type == "gemma3_text":
             types = ["sliding_attention" if (i + 1) % hf["sliding_window_pattern"] else "full_attention"
+                     for i in range(n)]
+        elif model_type in ("olmo3", "exaone4"):  # n - 1 local layers, then a global one
+            types = ["sliding_attention" if (i + 1) % hf.get("sliding_window_pattern", 4) else "full_attention"
                      for i in range(n)]
         elif model_type == "smollm3":
             raise ValueError("smollm3 with use_sliding_window=true needs layer_types in config.json")

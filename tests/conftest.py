@@ -59,6 +59,14 @@ FAMILIES = {
     "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", dict(num_hidden_layers=3, num_key_value_heads=2, pad_token_id=0,
                                                              no_rope_layer_interval=2)),
     "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(num_key_value_heads=2)),
+    # OLMo 3: OLMo 2's norms, a window on all layers but every 4th (here the 2nd).
+    "olmo3": ("Olmo3ForCausalLM", "Olmo3Config", dict(num_key_value_heads=2, sliding_window=8, eos_token_id=0,
+                                                       layer_types=["sliding_attention", "full_attention"])),
+    # EXAONE 4: post-norms, per-head q/k norms; the global layers of a windowed model without RoPE.
+    "exaone4": ("Exaone4ForCausalLM", "Exaone4Config", dict(num_hidden_layers=4, num_key_value_heads=2, sliding_window=8,
+                                                             sliding_window_pattern=2, layer_types=None)),
+    # Seed-OSS: q/k/v bias (not o_proj), head_dim of its own.
+    "seed_oss": ("SeedOssForCausalLM", "SeedOssConfig", dict(num_key_value_heads=2, head_dim=24)),
     # Granite 3's multipliers (its 8B: 12, 1/128, 0.22, 16); untied: the tests' wide random
     # embeddings, times 12 and tied, would make greedy repeat the last token.
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(

@@ -16,7 +16,8 @@ from decode import generate
 from load import load_model
 from scripts.convert_hf_checkpoint import config_from_hf
 
-NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3", "olmo2", "granite"]
+NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3", "olmo2", "olmo3",
+                "exaone4", "seed_oss", "granite"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -33,6 +34,11 @@ VARIANTS = {
     "phi3_partial_rotary": ("phi3", dict(partial_rotary_factor=0.5, sliding_window=None, tie_word_embeddings=True)),
     "smollm3_window": ("smollm3", dict(use_sliding_window=True, sliding_window=8, tie_word_embeddings=False)),
     "olmo2_tied_gqa4": ("olmo2", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    # OLMo 3's long-context form: YaRN on the global layers only, the local ones keep plain RoPE.
+    "olmo3_yarn": ("olmo3", dict(num_hidden_layers=4, layer_types=None, rope_scaling=dict(
+        rope_type="yarn", factor=8.0, original_max_position_embeddings=32, attention_factor=1.2), tie_word_embeddings=True)),
+    # EXAONE 4 without a window (its 1.2B): RoPE on every layer; MHA.
+    "exaone4_no_window": ("exaone4", dict(sliding_window=None, layer_types=["full_attention"] * 4, num_key_value_heads=4)),
     # transformers' defaults (every multiplier 1: no 1/sqrt(head_dim) either), tied, MHA.
     "granite_defaults": ("granite", dict(num_key_value_heads=4, tie_word_embeddings=True, embedding_multiplier=1.0,
                                          attention_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0)),
@@ -83,6 +89,9 @@ EXPECTED_CONFIG = {
     "phi4_longrope": dict(rope_dim=12),
     "smollm3": dict(no_rope_layers=[1]),
     "olmo2": dict(qk_norm="all", block_norms="post"),
+    "olmo3": dict(qk_norm="all", block_norms="post", sliding_window=8, sliding_window_layers=[0], rope_local_base=None),
+    "exaone4": dict(qk_norm="head", block_norms="post", sliding_window_layers=[0, 2], no_rope_layers=[1, 3]),
+    "seed_oss": dict(attention_bias=True, head_dim=24),
     "granite": dict(embedding_scale=12.0, attention_scale=1 / 16, residual_scale=0.22, logit_divisor=4.0),
 }
 
@@ -199,3 +208,10 @@ def test_yarn_in_the_hubs_form():
     hf["rope_scaling"] = {"type": "yarn"}  # older keys, nothing but the type: the whole context is the original
     assert config_from_hf(hf).rope_scaling == {"rope_type": "yarn", "factor": 1.0,
                                                "original_max_position_embeddings": 131072}
+    # OLMo 3's hub config: the same rope_scaling applies to its global layers only.
+    olmo = make_hf_model("olmo3").config.to_dict()
+    olmo.pop("rope_parameters")
+    olmo.update(rope_theta=5e5, rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
+                                              "attention_factor": 1.2, "beta_fast": 32, "beta_slow": 1})
+    config = config_from_hf(olmo)
+    assert (config.rope_base, config.rope_local_base, config.rope_scaling["factor"]) == (5e5, 5e5, 8.0)

@@ -90,6 +90,8 @@ def write_gguf(path, state: dict, c: ModelArgs, qtype=T.F32, arch="llama", vocab
         w.add_sliding_window(c.sliding_window)
     if arch in ("gemma2", "gemma3") and c.sliding_window and c.sliding_window_layers != [i for i in range(c.n_layer) if (i + 1) % 6]:
         w.add_sliding_window_pattern([i in c.sliding_window_layers for i in range(c.n_layer)])
+    if arch in ("olmo2", "exaone4") and c.sliding_window:  # llama.cpp's converter lists every layer
+        w.add_sliding_window_pattern([c.is_sliding(i) for i in range(c.n_layer)])
     if c.attn_logit_softcap:
         w.add_attn_logit_softcapping(c.attn_logit_softcap)
     if c.final_logit_softcap:
@@ -137,6 +139,8 @@ def write_gguf(path, state: dict, c: ModelArgs, qtype=T.F32, arch="llama", vocab
                 tensors[f"blk.{i}.attn_{x}.{name.rpartition('.')[2]}"] = part
         elif arch == "phi3" and name.endswith("w1.weight"):
             tensors[f"blk.{i}.ffn_up.weight"] = torch.cat([t, state[name.replace("w1.", "w3.")]])
+        elif arch == "seed_oss" and name.endswith("ffn_norm.weight"):
+            tensors[f"blk.{i}.post_attention_norm.weight"] = t
         elif not (arch == "phi3" and name.endswith("w3.weight")):
             pattern = name.replace(f".{i}.", ".{}.") if i is not None else name
             tensors[GGUF_NAMES[pattern].format(i)] = t
@@ -236,6 +240,11 @@ FAMILY_ROUND_TRIPS = {
     "phi4_longrope": ("phi3", "phi4_longrope", {}),
     "olmo2": ("olmo2", "olmo2", {}),
     "granite": ("granite", "granite", {}),
+    "olmo3": ("olmo2", "olmo3", {}),
+    "olmo3_yarn": ("olmo2", "olmo3", dict(num_hidden_layers=4, layer_types=None, rope_scaling=dict(
+        rope_type="yarn", factor=8.0, original_max_position_embeddings=32, attention_factor=1.2))),
+    "exaone4": ("exaone4", "exaone4", {}),
+    "seed_oss": ("seed_oss", "seed_oss", {}),
     "qwen3_yarn": ("qwen3", "qwen3", dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, beta_fast=16.0))),
     "qwen3_yarn_attention_factor": ("qwen3", "qwen3", dict(rope_parameters=dict(
@@ -257,6 +266,39 @@ def test_family_gguf_matches_transformers(case, tmp_path):
     assert {**vars(got), "rope_scaling": None} == {**vars(config), "rope_scaling": None}
     assert (got.rope_scaling or {}).get("rope_type") == (config.rope_scaling or {}).get("rope_type")
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(our_logits(load_model(path), ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+# Families whose GGUF comes from llama.cpp's own converter below: conftest family, overrides.
+LLAMA_CPP_CONVERTED = {
+    "llama31": ("llama31", {}),
+    "qwen3_yarn": ("qwen3", FAMILY_ROUND_TRIPS["qwen3_yarn"][2]),
+    "olmo3_yarn": ("olmo3", FAMILY_ROUND_TRIPS["olmo3_yarn"][2]),
+    "exaone4": ("exaone4", {}),
+    "seed_oss": ("seed_oss", {}),
+    "granite": ("granite", {}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(LLAMA_CPP_CONVERTED))
+def test_llama_cpp_converter_output_matches_transformers(case, default_model, tmp_path):
+    """The GGUF llama.cpp's convert_hf_to_gguf.py writes (where scripts/bench_llamacpp.sh put it) loads
+    to transformers' logits: its names, keys and layouts, not this file's idea of them."""
+    from scripts.bench import DEFAULT_LLAMACPP_DIR
+    script = DEFAULT_LLAMACPP_DIR / "src/convert_hf_to_gguf.py"
+    if not script.is_file():
+        pytest.skip(f"llama.cpp is not at {DEFAULT_LLAMACPP_DIR} (scripts/bench_llamacpp.sh puts it there)")
+    family, overrides = LLAMA_CPP_CONVERTED[case]
+    hf = make_hf_model(family, seed=5, vocab_size=49152, **overrides)  # its converter knows SmolLM2's tokenizer
+    hf.save_pretrained(tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "hf" / name).write_bytes((default_model.parent / name).read_bytes())
+    subprocess.run([sys.executable, str(script), str(tmp_path / "hf"), "--outfile", str(tmp_path / "model.gguf"),
+                    "--outtype", "f32"], check=True, capture_output=True)
+    path = convert_gguf(tmp_path / "model.gguf", tmp_path / "gguf_route")
+    ids = torch.randint(0, 49152, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(our_logits(load_model(path), ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
 
