@@ -24,10 +24,10 @@ from errors import check_output_dir, error_boundary  # noqa: E402
 from load import atomic_save, atomic_write, atomic_write_text  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from rope import rope_frequencies  # noqa: E402
-from scripts.convert_hf_checkpoint import check_against_model, split_gate_up  # noqa: E402
+from scripts.convert_hf_checkpoint import check_against_model, rope_halves, split_gate_up  # noqa: E402
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "olmo2", "exaone4",
-                           "seed_oss", "granite")
+                           "seed_oss", "glm4", "granite")
 POST_NORMS = ("olmo2", "exaone4")  # x + norm(f(x)); OLMo 3 is architecture olmo2 with a window
 PERMUTED = ("llama", "granite")  # llama.cpp's converter interleaves these architectures' q/k rows
 GEMMA = ("gemma2", "gemma3")
@@ -61,9 +61,10 @@ WEIGHT_MAP = {
     "blk.{}.post_ffw_norm.weight": "layers.{}.post_ffn_norm.weight",
     "blk.{}.attn_qkv.weight": "layers.{}.attention.wqkv.weight",  # Phi-3: q, k, v fused in our order
 }
-# Phi-3 keeps gate and up fused in ffn_up as [2I, D]; llama.cpp names Seed-OSS's pre-feed-forward norm
+# Phi-3 and GLM-4 keep gate and up fused in ffn_up as [2I, D]; llama.cpp names Seed-OSS's pre-feed-forward norm
 # after its HF name (post_attention_layernorm).
 ARCH_WEIGHT_MAP = {"phi3": {"blk.{}.ffn_up.weight": "layers.{}.feed_forward.w13.weight"},
+                   "glm4": {"blk.{}.ffn_up.weight": "layers.{}.feed_forward.w13.weight"},
                    "seed_oss": {"blk.{}.post_attention_norm.weight": "layers.{}.ffn_norm.weight"}}
 ROPE_FREQS = "rope_freqs.weight"  # LLaMA 3.1+ stores its rope scaling as per-frequency divisors
 YARN_FIELDS = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow", "attention_factor": "yarn_attn_factor"}
@@ -186,7 +187,7 @@ def config_from_gguf(reader) -> ModelArgs:
         dense_layers=dense or None,
         qk_norm="all" if arch == "olmo2" else "head" if "blk.0.attn_q_norm.weight" in tensors else None,
         norm_offset=1.0 if gemma else 0.0,
-        block_norms="sandwich" if gemma else "post" if arch in POST_NORMS else "pre",
+        block_norms="sandwich" if gemma or arch == "glm4" else "post" if arch in POST_NORMS else "pre",
         hidden_act="gelu_tanh" if gemma else "silu",
         # Granite's multipliers: llama.cpp's names, absent where the file leaves them out.
         embedding_scale=dim ** 0.5 if gemma else field(reader, f"{arch}.embedding_scale"),
@@ -359,6 +360,10 @@ def convert_tensors(reader, config: ModelArgs, dtype=None) -> dict:
         q, k = state.pop(p + "wq.weight"), state.pop(p + "wk.weight")
         if arch in PERMUTED:
             q, k = unpermute(q, config.n_head), unpermute(k, config.n_local_heads)
+        if arch == "glm4":  # HF's layout kept: RoPE on neighbouring pairs (llama.cpp's "norm" rope type)
+            q, k = rope_halves(q, config.n_head, config), rope_halves(k, config.n_local_heads, config)
+            for x, heads in (("q", config.n_head), ("k", config.n_local_heads)):
+                state[p + f"w{x}.bias"] = rope_halves(state[p + f"w{x}.bias"], heads, config)
         state[p + "wqkv.weight"] = torch.cat([q, k, state.pop(p + "wv.weight")])
         if config.attention_bias:
             state[p + "wqkv.bias"] = torch.cat([state.pop(p + f"w{x}.bias") for x in "qkv"])

@@ -22,7 +22,7 @@ from model import ModelArgs  # noqa: E402
 from rope import ROPE_TYPES, rope_type  # noqa: E402
 
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
-             "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss")
+             "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 
@@ -76,6 +76,10 @@ FAMILY_WEIGHT_MAP = {
     "olmo2": _POST,
     "olmo3": _POST,
     "exaone4": _POST,
+    # GLM-4: norms after each sublayer too, named its own way.
+    "glm4": {"model.layers.{}.post_self_attn_layernorm.weight": "layers.{}.post_attention_norm.weight",
+             "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
+             "model.layers.{}.post_mlp_layernorm.weight": "layers.{}.post_ffn_norm.weight"},
 }
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
@@ -92,10 +96,14 @@ HF_DEFAULTS = {
     "olmo3": dict(sliding_window=4096),
     "exaone4": dict(sliding_window=4096, sliding_window_pattern=4),
     "seed_oss": dict(attention_bias=True),
+    "glm": dict(attention_bias=True, head_dim=128),
+    "glm4": dict(attention_bias=True, head_dim=128),
     "granite": dict(embedding_multiplier=1.0, attention_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0),
 }
 DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0, "olmo3": 500_000.0}
-QKV_BIAS = ("qwen2", "seed_oss")  # families whose attention_bias puts a bias on q/k/v only
+PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5}  # transformers' defaults where a config leaves it out
+INTERLEAVED_ROPE = ("glm", "glm4")  # RoPE on pairs (0, 1), (2, 3), ...: the converter reorders q/k rows to halves
+QKV_BIAS = ("qwen2", "seed_oss", "glm", "glm4")  # families whose attention_bias puts a bias on q/k/v only
 POST_NORMS = ("olmo2", "olmo3", "exaone4")  # x + norm(f(x))
 # HF activation name -> ModelArgs.hidden_act
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -159,7 +167,7 @@ def config_from_hf(hf: dict) -> ModelArgs:
         qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "exaone4": "head", "olmo2": "all",
                  "olmo3": "all"}.get(model_type),
         norm_offset=1.0 if gemma else 0.0,
-        block_norms="sandwich" if gemma else "post" if model_type in POST_NORMS else "pre",
+        block_norms="sandwich" if gemma or model_type == "glm4" else "post" if model_type in POST_NORMS else "pre",
         hidden_act=ACTIVATIONS[act],
         embedding_scale=hf["hidden_size"] ** 0.5 if gemma else hf["embedding_multiplier"] if granite else None,
         attention_scale=(hf["query_pre_attn_scalar"] ** -0.5 if gemma else hf["attention_multiplier"] if granite
@@ -186,8 +194,10 @@ def rope_from_hf(hf: dict, model_type: str) -> tuple:
     local = None
     if "full_attention" in params:
         params, local = dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
-    rope_base = float(hf.get("rope_theta", params.pop("rope_theta", DEFAULT_ROPE_BASE.get(model_type, 10000.0))))
-    partial = float(hf.get("partial_rotary_factor", params.pop("partial_rotary_factor", 1.0)))
+    # (transformers 5 writes rope_theta / partial_rotary_factor: null beside rope_parameters for some families)
+    theta, params_partial = params.pop("rope_theta", None), params.pop("partial_rotary_factor", None)
+    rope_base = float(hf.get("rope_theta") or theta or DEFAULT_ROPE_BASE.get(model_type, 10000.0))
+    partial = float(hf.get("partial_rotary_factor") or params_partial or PARTIAL_ROTARY.get(model_type, 1.0))
     scaling = dict(hf.get("rope_scaling") or params)
     scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
     kind = rope_type(scaling)
@@ -303,6 +313,15 @@ def rename(hf_name: str, weight_map: dict = WEIGHT_MAP) -> str:
     return weight_map[pattern].format(*numbers)
 
 
+def rope_halves(w: torch.Tensor, heads: int, config: ModelArgs) -> torch.Tensor:
+    """q or k rows (weight or bias) of a model that rotates pairs of neighbouring dimensions (GLM),
+    reordered per head to the halves brisk rotates (dimension i with i + rope_dim / 2): dimension 2j
+    goes to j, 2j + 1 to j + rope_dim / 2. q and k move alike, so their products do not change."""
+    rd, hd = config.rope_dim, config.head_dim
+    order = torch.cat([torch.arange(0, rd, 2), torch.arange(1, rd, 2), torch.arange(rd, hd)])
+    return w.reshape(heads, hd, *w.shape[1:])[:, order].reshape(w.shape)
+
+
 def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "llama") -> dict:
     weight_map = {**WEIGHT_MAP, **FAMILY_WEIGHT_MAP.get(model_type, {})}
     state = {}
@@ -313,6 +332,11 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
         state.pop("output.weight", None)  # the loader ties it to tok_embeddings
     for i in range(config.n_layer):
         p = f"layers.{i}.attention."
+        if model_type in INTERLEAVED_ROPE:
+            for x, heads in (("q", config.n_head), ("k", config.n_local_heads)):
+                for kind in ("weight", "bias"):
+                    if p + f"w{x}.{kind}" in state:
+                        state[p + f"w{x}.{kind}"] = rope_halves(state[p + f"w{x}.{kind}"], heads, config)
         for kind in ("weight", "bias"):
             parts = [state.pop(p + f"w{x}.{kind}", None) for x in "qkv"]
             if all(t is not None for t in parts):

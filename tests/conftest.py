@@ -67,6 +67,10 @@ FAMILIES = {
                                                              sliding_window_pattern=2, layer_types=None)),
     # Seed-OSS: q/k/v bias (not o_proj), head_dim of its own.
     "seed_oss": ("SeedOssForCausalLM", "SeedOssConfig", dict(num_key_value_heads=2, head_dim=24)),
+    # GLM-4-0414: norms before and after each sublayer, RoPE on neighbouring pairs of half of each
+    # head, q/k/v bias, gate and up fused. GLM-4 (glm): the same attention, LLaMA's norms.
+    "glm4": ("Glm4ForCausalLM", "Glm4Config", dict(num_key_value_heads=2, head_dim=16, pad_token_id=0)),
+    "glm": ("GlmForCausalLM", "GlmConfig", dict(num_key_value_heads=2, head_dim=16, pad_token_id=0)),
     # Granite 3's multipliers (its 8B: 12, 1/128, 0.22, 16); untied: the tests' wide random
     # embeddings, times 12 and tied, would make greedy repeat the last token.
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(

@@ -17,7 +17,7 @@ from load import load_model
 from scripts.convert_hf_checkpoint import config_from_hf
 
 NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3", "olmo2", "olmo3",
-                "exaone4", "seed_oss", "granite"]
+                "exaone4", "seed_oss", "glm4", "glm", "granite"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -39,6 +39,10 @@ VARIANTS = {
         rope_type="yarn", factor=8.0, original_max_position_embeddings=32, attention_factor=1.2), tie_word_embeddings=True)),
     # EXAONE 4 without a window (its 1.2B): RoPE on every layer; MHA.
     "exaone4_no_window": ("exaone4", dict(sliding_window=None, layer_types=["full_attention"] * 4, num_key_value_heads=4)),
+    # GLM-4 with the rotary part a whole head and a long-context base, MHA, tied.
+    "glm4_full_rotary": ("glm4", dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0,
+                                                           partial_rotary_factor=1.0), num_key_value_heads=4,
+                                      tie_word_embeddings=True)),
     # transformers' defaults (every multiplier 1: no 1/sqrt(head_dim) either), tied, MHA.
     "granite_defaults": ("granite", dict(num_key_value_heads=4, tie_word_embeddings=True, embedding_multiplier=1.0,
                                          attention_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0)),
@@ -92,6 +96,8 @@ EXPECTED_CONFIG = {
     "olmo3": dict(qk_norm="all", block_norms="post", sliding_window=8, sliding_window_layers=[0], rope_local_base=None),
     "exaone4": dict(qk_norm="head", block_norms="post", sliding_window_layers=[0, 2], no_rope_layers=[1, 3]),
     "seed_oss": dict(attention_bias=True, head_dim=24),
+    "glm4": dict(block_norms="sandwich", norm_offset=0.0, rope_dim=8, attention_bias=True),
+    "glm": dict(block_norms="pre", rope_dim=8, attention_bias=True),
     "granite": dict(embedding_scale=12.0, attention_scale=1 / 16, residual_scale=0.22, logit_divisor=4.0),
 }
 

@@ -63,6 +63,14 @@ def llama3_rope_freqs(c: ModelArgs) -> torch.Tensor:
     return torch.tensor(factors, dtype=torch.float32)
 
 
+def interleaved(w: torch.Tensor, heads: int, c: ModelArgs) -> torch.Tensor:
+    """The inverse of the converter's rope_halves: GLM's rows, rotary pairs next to each other."""
+    rd, hd = c.rope_dim, c.head_dim
+    order = torch.cat([torch.stack([torch.arange(rd // 2), torch.arange(rd // 2) + rd // 2], 1).flatten(),
+                       torch.arange(rd, hd)])
+    return w.reshape(heads, hd, *w.shape[1:])[:, order].reshape(w.shape)
+
+
 def write_gguf(path, state: dict, c: ModelArgs, qtype=T.F32, arch="llama", vocab=None, raw=None):
     """A GGUF file of a brisk state dict, as llama.cpp's convert_hf_to_gguf.py writes one for `arch`:
     permuted q/k (llama and granite), Gemma's norms as 1 + weight, Phi-3's fused qkv and gate/up, 1-D
@@ -129,7 +137,11 @@ def write_gguf(path, state: dict, c: ModelArgs, qtype=T.F32, arch="llama", vocab
         i = name.split(".")[1] if name.startswith("layers.") else None
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             t = t + 1
-        if name.endswith("wqkv.weight") and arch == "phi3":
+        if arch == "glm4" and (name.endswith("wqkv.weight") or name.endswith("wqkv.bias")):  # back to HF's pairs
+            q, k, v = t.split([c.n_head * c.head_dim, c.n_local_heads * c.head_dim, c.n_local_heads * c.head_dim])
+            for x, part in zip("qkv", (interleaved(q, c.n_head, c), interleaved(k, c.n_local_heads, c), v)):
+                tensors[f"blk.{i}.attn_{x}.{name.rpartition('.')[2]}"] = part
+        elif name.endswith("wqkv.weight") and arch == "phi3":
             tensors[f"blk.{i}.attn_qkv.weight"] = t
         elif name.endswith("wqkv.weight") or name.endswith("wqkv.bias"):
             q, k, v = t.split([c.n_head * c.head_dim, c.n_local_heads * c.head_dim, c.n_local_heads * c.head_dim])
@@ -137,11 +149,11 @@ def write_gguf(path, state: dict, c: ModelArgs, qtype=T.F32, arch="llama", vocab
                 q, k = llama_cpp_permute(q, c.n_head), llama_cpp_permute(k, c.n_local_heads)
             for x, part in zip("qkv", (q, k, v)):
                 tensors[f"blk.{i}.attn_{x}.{name.rpartition('.')[2]}"] = part
-        elif arch == "phi3" and name.endswith("w1.weight"):
+        elif arch in ("phi3", "glm4") and name.endswith("w1.weight"):
             tensors[f"blk.{i}.ffn_up.weight"] = torch.cat([t, state[name.replace("w1.", "w3.")]])
         elif arch == "seed_oss" and name.endswith("ffn_norm.weight"):
             tensors[f"blk.{i}.post_attention_norm.weight"] = t
-        elif not (arch == "phi3" and name.endswith("w3.weight")):
+        elif not (arch in ("phi3", "glm4") and name.endswith("w3.weight")):
             pattern = name.replace(f".{i}.", ".{}.") if i is not None else name
             tensors[GGUF_NAMES[pattern].format(i)] = t
     for name, t in sorted(tensors.items()):
@@ -245,6 +257,7 @@ FAMILY_ROUND_TRIPS = {
         rope_type="yarn", factor=8.0, original_max_position_embeddings=32, attention_factor=1.2))),
     "exaone4": ("exaone4", "exaone4", {}),
     "seed_oss": ("seed_oss", "seed_oss", {}),
+    "glm4": ("glm4", "glm4", {}),
     "qwen3_yarn": ("qwen3", "qwen3", dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, beta_fast=16.0))),
     "qwen3_yarn_attention_factor": ("qwen3", "qwen3", dict(rope_parameters=dict(
@@ -278,6 +291,7 @@ LLAMA_CPP_CONVERTED = {
     "exaone4": ("exaone4", {}),
     "seed_oss": ("seed_oss", {}),
     "granite": ("granite", {}),
+    "glm4": ("glm4", {}),
 }
 
 
@@ -290,11 +304,14 @@ def test_llama_cpp_converter_output_matches_transformers(case, default_model, tm
     script = DEFAULT_LLAMACPP_DIR / "src/convert_hf_to_gguf.py"
     if not script.is_file():
         pytest.skip(f"llama.cpp is not at {DEFAULT_LLAMACPP_DIR} (scripts/bench_llamacpp.sh puts it there)")
+    import transformers
     family, overrides = LLAMA_CPP_CONVERTED[case]
-    hf = make_hf_model(family, seed=5, vocab_size=49152, **overrides)  # its converter knows SmolLM2's tokenizer
+    # Its converter knows SmolLM2's tokenizer; GLM-4's wants <|user|> among the special tokens.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model.parent)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|user|>"]})
+    hf = make_hf_model(family, seed=5, vocab_size=len(tokenizer), **overrides)
     hf.save_pretrained(tmp_path / "hf")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / "hf" / name).write_bytes((default_model.parent / name).read_bytes())
+    tokenizer.save_pretrained(tmp_path / "hf")
     subprocess.run([sys.executable, str(script), str(tmp_path / "hf"), "--outfile", str(tmp_path / "model.gguf"),
                     "--outtype", "f32"], check=True, capture_output=True)
     path = convert_gguf(tmp_path / "model.gguf", tmp_path / "gguf_route")
