@@ -538,12 +538,13 @@ def prompt_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, isa: Optiona
 
 
 def use_attention_kernels(model: Transformer) -> None:
-    """Decode steps and prompts of every layer (but soft-capped ones, which model.py keeps) through
-    attention.cpp: cache_attention and, where a head is whole vectors of 16 features, prompt_attention."""
+    """Decode steps and prompts of every layer (but soft-capped ones and those with sinks, which
+    model.py keeps) through attention.cpp: cache_attention and, where a head is whole vectors of 16
+    features, prompt_attention."""
     register_fake()
     for layer in model.layers:
         a = layer.attention
-        if a.softcap is None:
+        if a.softcap is None and a.sinks is None:
             # The isa bound here: a compiled step calls the kernel with it as a constant (dynamo
             # would otherwise trace best_isa, and the build of the extension behind it).
             a.attend_cache = functools.partial(cache_attention, isa=best_isa())

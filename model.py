@@ -3,7 +3,8 @@
 
 Plain single-device PyTorch: quantize.py swaps its linears and tp.py shards it from outside.
 Variants (GQA, q/k/v bias, tied embeddings, rope scaling, mixture of experts, q/k norms, Gemma's
-norms, GeGLU and soft-capping, Granite's multipliers, per-layer sliding windows and RoPE) come from `ModelArgs`, which
+norms, GeGLU and soft-capping, Granite's multipliers, gpt-oss's sinks and biased experts, per-layer
+sliding windows and RoPE) come from `ModelArgs`, which
 the converters write as config.json beside the weights; the defaults are LLaMA's.
 """
 import json
@@ -34,6 +35,8 @@ class ModelArgs:
     rope_scaling: Optional[dict] = None  # HF form: {"rope_type": "llama3" | "linear", ...}
     norm_eps: float = 1e-5
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    attention_out_bias: bool = False  # the output projection too (gpt-oss)
+    attention_sinks: bool = False  # a learned logit per head joins each softmax and attends to nothing (gpt-oss)
     tie_embeddings: bool = False  # output projection shares tok_embeddings.weight
     sliding_window: Optional[int] = None  # Mistral v0.1: attend to the last N positions only
     num_experts: int = 0  # > 0 selects the mixture-of-experts feed-forward (Mixtral)
@@ -41,6 +44,10 @@ class ModelArgs:
     moe_intermediate_size: Optional[int] = None  # each expert's hidden size; None: intermediate_size
     norm_topk_prob: bool = True  # renormalise the top-k router probabilities (Mixtral; a Qwen3-MoE option)
     dense_layers: Optional[list] = None  # layers that keep the dense feed-forward in a MoE model (Qwen3-MoE)
+    moe_bias: bool = False  # the router and each expert's projections carry biases (gpt-oss)
+    # gpt-oss's experts: gate <= limit and |up| <= limit, then (up + 1) * gate * sigmoid(swiglu_alpha * gate)
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: Optional[float] = None
     # Per-family pieces; the defaults are LLaMA's.
     qk_norm: Optional[str] = None  # RMSNorm of q and k: "head" per head (Qwen3, Gemma 3), "all" over the projection (OLMo 2)
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): 1.0 in Gemma
@@ -333,9 +340,9 @@ class Transformer(nn.Module):
         """True where a query row may see a cache position: (n_head // n_local_heads * T, S) for
         positions [T], (B, 1, that, S) for per-row positions [B, T]; S = kv_len or the whole cache.
         None for causal attention within idx (a prompt from position 0 that fits the window, and
-        SDPA's causal kernel computes the scores: not with soft-capping)."""
+        SDPA's causal kernel computes the scores: not with soft-capping or sinks)."""
         c = self.config
-        if from_start and (window is None or T <= window) and c.attn_logit_softcap is None:
+        if from_start and (window is None or T <= window) and c.attn_logit_softcap is None and not c.attention_sinks:
             return None
         # Key position j is visible from query position i when j <= i (and within the window).
         # The cache's length read from a tensor, not the int attribute: a compiled step may leave it dynamic.
@@ -383,7 +390,8 @@ class Attention(nn.Module):
         # q, k and v in one projection: one matrix-vector product per layer instead of three.
         qkv_dim = (config.n_head + 2 * config.n_local_heads) * config.head_dim
         self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.attention_bias)
-        self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
+        self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=config.attention_out_bias)
+        self.sinks = nn.Parameter(torch.empty(config.n_head)) if config.attention_sinks else None
         self.kv_cache: Optional[KVCache] = None
         # A kernel for decode steps that reads the KV cache in place, attached from outside (kernels.py):
         # f(q [B, n_kv, rows, hd], k_cache, v_cache, cache_rows, mask, scale) -> y like q, reading only
@@ -444,10 +452,13 @@ class Attention(nn.Module):
         else:
             k, v = self.kv_cache.read(B, cache_rows, mask.shape[-1])  # (B, n_kv, S, hd)
             k, v = k.to(q.dtype), v.to(q.dtype)  # a cache in another dtype than the activations
+            # Each query row's sink: rows are (head of the group, position), as q was folded.
+            sinks = None if self.sinks is None else self.sinks.view(self.n_local_heads, rep, 1).expand(
+                -1, -1, T).reshape(self.n_local_heads, rep * T)
             if T == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
-                y = decode_attention(q, k, v, mask, self.scale, self.softcap)
-            elif self.softcap is not None:  # SDPA cannot soft-cap its scores
-                y = softcapped_attention(q, k, v, mask, self.scale, self.softcap)
+                y = decode_attention(q, k, v, mask, self.scale, self.softcap, sinks)
+            elif self.softcap is not None or sinks is not None:  # what SDPA cannot do
+                y = explicit_attention(q, k, v, mask, self.scale, self.softcap, sinks)
             else:
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # (B, n_kv, rep * T, hd)
         # reshape, not view: CUDA's attention kernels return y in another memory layout.
@@ -490,8 +501,14 @@ class MoEFeedForward(nn.Module):
         self.top_k = config.num_activated_experts
         self.norm_topk_prob = config.norm_topk_prob
         self.act = ACTIVATIONS[config.hidden_act]
-        self.gate = nn.Linear(D, E, bias=False)
+        self.swiglu_limit, self.swiglu_alpha = config.swiglu_limit, config.swiglu_alpha
+        self.gate = nn.Linear(D, E, bias=config.moe_bias)
         self.make_experts(E, D, I)
+        # Biases stay full precision whatever stores the weights (make_experts).
+        biased = config.moe_bias
+        self.w1_bias = nn.Parameter(torch.empty(E, I)) if biased else None
+        self.w3_bias = nn.Parameter(torch.empty(E, I)) if biased else None
+        self.w2_bias = nn.Parameter(torch.empty(E, D)) if biased else None
 
     def make_experts(self, E: int, D: int, I: int):
         # Experts stacked so a token gathers only its selected experts' weights.
@@ -512,8 +529,19 @@ class MoEFeedForward(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
+    def glu(self, gate: Tensor, up: Tensor) -> Tensor:
+        if self.swiglu_limit is None:
+            return self.act(gate) * up
+        gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)
+        return (up + 1) * gate * torch.sigmoid(self.swiglu_alpha * gate)
+
+    def linear(self, x: Tensor, name: str, e: int) -> Tensor:
+        """x [M, in] through projection `name` of expert e (with its bias, where the model has them)."""
+        bias = getattr(self, f"{name}_bias")
+        return F.linear(x, getattr(self, name)[e], None if bias is None else bias[e])
+
     def expert(self, x: Tensor, e: int) -> Tensor:
-        return F.linear(self.act(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e])
+        return self.linear(self.glu(self.linear(x, "w1", e), self.linear(x, "w3", e)), "w2", e)
 
     def expert_weights(self, experts: Tensor):
         """w1, w3 (N, k, I, D), w2 (N, k, D, I) of the selected experts; compiled, the gather fuses into the matmuls."""
@@ -539,8 +567,12 @@ class MoEFeedForward(nn.Module):
         if self.gathers and guard_or_false(x.shape[0] * self.top_k <= E):
             # Compiled decode: only the selected experts' weights are read.
             w1, w3, w2 = self.expert_weights(experts)
-            h = self.act(torch.einsum("nd,nkid->nki", x, w1)) * torch.einsum("nd,nkid->nki", x, w3)  # (N, k, I)
-            y = torch.einsum("nki,nkdi->nkd", h, w2)  # (N, k, D)
+            gate, up = torch.einsum("nd,nkid->nki", x, w1), torch.einsum("nd,nkid->nki", x, w3)  # (N, k, I)
+            if self.w1_bias is not None:
+                gate, up = gate + self.w1_bias[experts], up + self.w3_bias[experts]
+            y = torch.einsum("nki,nkdi->nkd", self.glu(gate, up), w2)  # (N, k, D)
+            if self.w2_bias is not None:
+                y = y + self.w2_bias[experts]
             return torch.einsum("nkd,nk->nd", y, weights).reshape(shape)
         return self.all_experts(x, weights, experts).reshape(shape)
 
@@ -555,16 +587,27 @@ class MoEFeedForward(nn.Module):
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float,
-                     softcap: Optional[float] = None) -> Tensor:
+                     softcap: Optional[float] = None, sinks: Optional[Tensor] = None) -> Tensor:
     """SDPA for a few query rows, written as products and sums that inductor fuses into loops over
     the cache. In a compiled CPU decode step the SDPA op's fixed cost per layer is a visible part of
     a small quantized model's step; fused, it is gone."""
     q = in_memory(q)
     scores = (q[..., :, None, :].float() * k[..., None, :, :].float()).sum(-1) * scale
+    probs = attention_probs(scores, mask, softcap, sinks)  # (B, H, rows, S)
+    return (probs[..., None] * v[..., None, :, :].float()).sum(-2).to(q.dtype)
+
+
+def attention_probs(scores: Tensor, mask: Tensor, softcap: Optional[float], sinks: Optional[Tensor]) -> Tensor:
+    """Softmax of fp32 scores (B, H, rows, S) over the visible positions; Gemma 2 soft-caps them
+    first (cap * tanh(scores / cap)); gpt-oss's sinks (H, rows) take part in each row's sum as one
+    more logit whose value is nothing, so a row may attend to less than all of it."""
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # (B, H, rows, S)
-    return (probs[..., None] * v[..., None, :, :].float()).sum(-2).to(q.dtype)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sinks = sinks.float().expand(scores.shape[:-1])[..., None]
+    return torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
 
 
 def in_memory(x: Tensor) -> Tensor:
@@ -576,12 +619,11 @@ def in_memory(x: Tensor) -> Tensor:
     return x if force is None else force(x, x.contiguous().stride())
 
 
-def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float) -> Tensor:
-    """Attention with Gemma 2's soft-capped scores: cap * tanh(scores / cap) before the softmax."""
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: Optional[float],
+                       sinks: Optional[Tensor]) -> Tensor:
+    """Attention written out, for the scores SDPA cannot change (attention_probs)."""
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, n_kv, rows, S)
-    scores = softcap * torch.tanh(scores / softcap)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return (probs @ v.float()).to(q.dtype)
+    return (attention_probs(scores, mask, softcap, sinks) @ v.float()).to(q.dtype)
 
 
 class RMSNorm(nn.Module):

@@ -390,12 +390,12 @@ class QuantizedMoEFeedForward(MoEFeedForward):
     def linear(self, x: Tensor, name: str, e) -> Tensor:
         """x [M, in] through projection `name` of expert e."""
         if self.bits == 8:
-            return int8_matmul(x, getattr(self, name)[e], getattr(self, f"{name}_scales")[e], self.kernels[name])
-        return int4_matmul(x, getattr(self, name)[e], getattr(self, f"{name}_scales_and_zeros")[e], self.groupsize,
-                           self.kernels[name])
-
-    def expert(self, x: Tensor, e: int) -> Tensor:
-        return self.linear(self.act(self.linear(x, "w1", e)) * self.linear(x, "w3", e), "w2", e)
+            y = int8_matmul(x, getattr(self, name)[e], getattr(self, f"{name}_scales")[e], self.kernels[name])
+        else:
+            y = int4_matmul(x, getattr(self, name)[e], getattr(self, f"{name}_scales_and_zeros")[e], self.groupsize,
+                            self.kernels[name])
+        bias = getattr(self, f"{name}_bias")
+        return y if bias is None else y + bias[e]
 
     def expert_weights(self, experts: Tensor):
         """int8: the selected experts' weights, dequantized; compiled, gather and scaling fuse into the matmuls."""

@@ -65,6 +65,8 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
         # Contiguous blocks of query heads and of kv heads: each rank's query heads keep their GQA kv heads.
         _shard_linear(attn.wqkv, "out", parts=[q_dim, kv_dim, kv_dim], **shard)
         _shard_linear(attn.wo, "in", **shard)
+        if attn.sinks is not None:  # gpt-oss: one per query head, which split by blocks as wqkv's rows
+            _replace(attn, "sinks", _take(attn.sinks, 0, rank, world_size))
         attn.n_head, attn.n_local_heads = c.n_head // world_size, c.n_local_heads // world_size
         if c.qk_norm == "all":  # OLMo 2 normalises q (k) over all heads, which now span the ranks
             attn.q_norm = ShardedRMSNorm(attn.q_norm, group, **shard)
@@ -120,8 +122,10 @@ def _shard_linear(linear: nn.Module, side: str, rank: int, world_size: int, part
     for name, (out_dim, in_dim) in getattr(linear, "tp_layout", LINEAR_LAYOUT).items():
         t = getattr(linear, name)
         dim = out_dim if side == "out" else in_dim
+        if t is not None and name == "bias" and side == "in":  # gpt-oss's o_proj: added once, by rank 0
+            _replace(linear, name, t if rank == 0 else torch.zeros_like(t))
+            continue
         if t is None or dim is None:
-            assert t is None or name != "bias", "a bias on an input-split linear would be added once per rank"
             continue
         _replace(linear, name, _take(t, dim, rank, world_size, parts, pad))
     if side == "out":
@@ -136,6 +140,10 @@ def _shard_experts(ff: nn.Module, rank: int, world_size: int):
         ff.check_tp_split("in", world_size)
     for name, dim in getattr(ff, "tp_layout", MOE_LAYOUT).items():
         _replace(ff, name, _take(getattr(ff, name), dim, rank, world_size))
+    if ff.w1_bias is not None:  # gpt-oss: the gate and up biases split with I; down's is added once, by rank 0
+        for name in ("w1_bias", "w3_bias"):
+            _replace(ff, name, _take(getattr(ff, name), 1, rank, world_size))
+        _replace(ff, "w2_bias", ff.w2_bias if rank == 0 else torch.zeros_like(ff.w2_bias))
 
 
 def _replace(module: nn.Module, name: str, t: Tensor):

@@ -22,7 +22,7 @@ from model import ModelArgs  # noqa: E402
 from rope import ROPE_TYPES, rope_type  # noqa: E402
 
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
-             "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4")
+             "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4", "gpt_oss")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 
@@ -76,6 +76,15 @@ FAMILY_WEIGHT_MAP = {
     "olmo2": _POST,
     "olmo3": _POST,
     "exaone4": _POST,
+    # gpt-oss: experts as [E, D, 2I] with gate and up interleaved, [E, I, D] (transposed below), or
+    # the hub's MXFP4 blocks and scales of [E, 2I, D] and [E, D, I] (dequantized below).
+    "gpt_oss": {"model.layers.{}.self_attn.o_proj.bias": "layers.{}.attention.wo.bias",
+                "model.layers.{}.self_attn.sinks": "layers.{}.attention.sinks",
+                "model.layers.{}.mlp.router.weight": "layers.{}.feed_forward.gate.weight",
+                "model.layers.{}.mlp.router.bias": "layers.{}.feed_forward.gate.bias",
+                **{f"model.layers.{{}}.mlp.experts.{hf}{suffix}": f"layers.{{}}.feed_forward.{ours}{suffix}"
+                   for hf, ours in (("gate_up_proj", "w13"), ("down_proj", "w2")) for suffix in
+                   ("", "_bias", "_blocks", "_scales")}},
     # GLM-4: norms after each sublayer too, named its own way.
     "glm4": {"model.layers.{}.post_self_attn_layernorm.weight": "layers.{}.post_attention_norm.weight",
              "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
@@ -98,6 +107,7 @@ HF_DEFAULTS = {
     "seed_oss": dict(attention_bias=True),
     "glm": dict(attention_bias=True, head_dim=128),
     "glm4": dict(attention_bias=True, head_dim=128),
+    "gpt_oss": dict(attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702),
     "granite": dict(embedding_multiplier=1.0, attention_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0),
 }
 DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0, "olmo3": 500_000.0}
@@ -124,14 +134,15 @@ def config_from_hf(hf: dict) -> ModelArgs:
     if act not in ACTIVATIONS:
         raise ValueError(f"unsupported {act_key} {act!r}; supported: {', '.join(ACTIVATIONS)}")
     for key in ("mlp_bias", "use_bidirectional_attention", "attention_out_bias") + (
-            ("attention_bias",) if model_type not in QKV_BIAS else ()):
+            ("attention_bias",) if model_type not in QKV_BIAS + ("gpt_oss",) else ()):
         if hf.get(key):  # (attention_bias: these families put a bias on o_proj too)
             raise ValueError(f"unsupported {key}=true in the {model_type} config.json")
     if model_type == "qwen3_moe" and hf.get("shared_expert_intermediate_size"):
         raise ValueError("unsupported shared_expert_intermediate_size: brisk's Qwen3-MoE has no shared expert")
     window, window_layers = sliding_window_from_hf(hf, model_type)
     # Qwen3-MoE's hub configs say num_experts, transformers 5 writes num_local_experts as Mixtral's do.
-    experts = hf.get("num_experts") or hf.get("num_local_experts", 0) if model_type in ("mixtral", "qwen3_moe") else 0
+    experts = (hf.get("num_experts") or hf.get("num_local_experts", 0)
+               if model_type in ("mixtral", "qwen3_moe", "gpt_oss") else 0)
     dense = None
     if model_type == "qwen3_moe":
         dense = [i for i in range(n_layer) if i in (hf.get("mlp_only_layers") or [])
@@ -143,7 +154,7 @@ def config_from_hf(hf: dict) -> ModelArgs:
         no_rope = [i for i, rope in enumerate(uses_rope) if not rope] or None
     if model_type == "exaone4" and window is not None:  # the global layers of a windowed EXAONE 4 have no RoPE
         no_rope = [i for i in range(n_layer) if i not in (window_layers or range(n_layer))] or None
-    gemma, granite = model_type in GEMMA, model_type == "granite"
+    gemma, granite, gpt_oss = model_type in GEMMA, model_type == "granite", model_type == "gpt_oss"
     return ModelArgs(
         block_size=hf["max_position_embeddings"],
         vocab_size=hf["vocab_size"],
@@ -156,7 +167,12 @@ def config_from_hf(hf: dict) -> ModelArgs:
         rope_base=rope_base,
         rope_scaling=rope_scaling,
         norm_eps=hf["rms_norm_eps"],
-        attention_bias=model_type in QKV_BIAS and bool(hf.get("attention_bias", True)),
+        attention_bias=(model_type in QKV_BIAS or gpt_oss) and bool(hf.get("attention_bias", True)),
+        attention_out_bias=gpt_oss and bool(hf.get("attention_bias", True)),
+        attention_sinks=gpt_oss,
+        moe_bias=gpt_oss,
+        swiglu_limit=hf["swiglu_limit"] if gpt_oss else None,
+        swiglu_alpha=hf["swiglu_alpha"] if gpt_oss else None,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         sliding_window=window,
         num_experts=experts,
@@ -242,7 +258,7 @@ def sliding_window_from_hf(hf: dict, model_type: str) -> tuple:
         return window, None
     types = hf.get("layer_types")
     if types is None:
-        if model_type == "gemma2":
+        if model_type in ("gemma2", "gpt_oss"):
             types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
         elif model_type == "gemma3_text":
             types = ["sliding_attention" if (i + 1) % hf["sliding_window_pattern"] else "full_attention"
@@ -347,7 +363,9 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
         if f + "w13.weight" in state:  # Phi-3's gate_up_proj
             state[f + "w1.weight"], state[f + "w3.weight"] = split_gate_up(state.pop(f + "w13.weight"))
         moe = config.num_experts and i not in (config.dense_layers or ())
-        if moe and f + "w13" in state:
+        if model_type == "gpt_oss":
+            gpt_oss_experts(state, f)
+        elif moe and f + "w13" in state:
             w1, w3 = state.pop(f + "w13").chunk(2, dim=1)
             state[f + "w1"], state[f + "w3"] = w1.contiguous(), w3.contiguous()
         elif moe:
@@ -357,6 +375,36 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
                     raise ValueError(f"layer {i}: {w} is missing experts in the HF checkpoint")
                 state[f + w] = torch.stack(experts)
     return state
+
+
+def gpt_oss_experts(state: dict, f: str):
+    """gpt-oss's experts (names under prefix f) -> w1, w3 [E, I, D], w2 [E, D, I] and their biases.
+    transformers keeps gate_up [E, D, 2I] and down [E, I, D] (x @ w), the hub MXFP4 blocks of the
+    transposes; gate and up alternate along 2I."""
+    if f + "w13_blocks" in state:
+        w13 = mxfp4_dequantize(state.pop(f + "w13_blocks"), state.pop(f + "w13_scales"))  # [E, 2I, D]
+        w2 = mxfp4_dequantize(state.pop(f + "w2_blocks"), state.pop(f + "w2_scales"))  # [E, D, I]
+    else:
+        w13, w2 = state.pop(f + "w13").transpose(1, 2), state.pop(f + "w2").transpose(1, 2)
+    b13 = state.pop(f + "w13_bias")
+    state[f + "w1"], state[f + "w3"] = w13[:, 0::2].contiguous(), w13[:, 1::2].contiguous()
+    state[f + "w1_bias"], state[f + "w3_bias"] = b13[:, 0::2].contiguous(), b13[:, 1::2].contiguous()
+    state[f + "w2"], state[f + "w2_bias"] = w2.contiguous(), state.pop(f + "w2_bias")
+
+
+# The 16 values of a 4-bit E2M1 float (OCP microscaling), by code.
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """MXFP4 weights [..., rows, G, 16] uint8 (two 4-bit codes a byte, the low nibble first) with one
+    power-of-two scale per 32 values [..., rows, G] (biased exponent, 127 = 1) -> [..., rows, G * 32]."""
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    out = torch.empty(*blocks.shape[:-2], blocks.shape[-2] * 32, dtype=dtype)
+    for i in range(blocks.shape[0]):  # an expert at a time: the codes as int32 are 8 bytes a weight
+        codes = torch.stack([blocks[i] & 0x0F, blocks[i] >> 4], dim=-1).flatten(-2).int()  # [rows, G, 32]
+        out[i] = torch.ldexp(lut[codes], scales[i].to(torch.int32)[..., None] - 127).flatten(-2).to(dtype)
+    return out
 
 
 def split_gate_up(w13: torch.Tensor) -> tuple:

@@ -71,6 +71,12 @@ FAMILIES = {
     # head, q/k/v bias, gate and up fused. GLM-4 (glm): the same attention, LLaMA's norms.
     "glm4": ("Glm4ForCausalLM", "Glm4Config", dict(num_key_value_heads=2, head_dim=16, pad_token_id=0)),
     "glm": ("GlmForCausalLM", "GlmConfig", dict(num_key_value_heads=2, head_dim=16, pad_token_id=0)),
+    # gpt-oss: sinks, biases on q/k/v/o, the router and the experts, clamped SwiGLU experts, a
+    # window on alternate layers, YaRN (untruncated) as its config has them.
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(
+        num_key_value_heads=2, head_dim=16, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                                               beta_slow=1.0, truncate=False, original_max_position_embeddings=16))),
     # Granite 3's multipliers (its 8B: 12, 1/128, 0.22, 16); untied: the tests' wide random
     # embeddings, times 12 and tied, would make greedy repeat the last token.
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(

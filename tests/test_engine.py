@@ -188,10 +188,10 @@ def test_staggered_arrivals(tiny):
         assert got[request_id] == alone(model, p, n)
 
 
-@pytest.mark.parametrize("family", ["mistral", "mixtral", "gemma2", "gemma3", "qwen3_moe", "phi3", "olmo2"])
+@pytest.mark.parametrize("family", ["mistral", "mixtral", "gemma2", "gemma3", "qwen3_moe", "phi3", "olmo2", "gpt_oss"])
 def test_sliding_window_and_moe(tiny, family):
     """Windows far shorter than the prompts (on alternating layers for Gemma, with soft-capping for
-    Gemma 2), experts, q/k norms, fused projections through the engine."""
+    Gemma 2), experts, q/k norms, fused projections, gpt-oss's sinks and biased experts through the engine."""
     model = tiny(family)
     ps = prompts((3, 40, 7, 90))
     results = Engine(model, IdTokenizer(), max_batch_size=3, max_seq_length=200, prefill_chunk=32).generate(

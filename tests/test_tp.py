@@ -70,12 +70,15 @@ def checkpoints(tmp_path_factory):
         "olmo2": save_and_convert(make_hf_model("olmo2"), root / "olmo2"),
         # Experts with their own size, unnormalised top-k, a dense layer between sparse ones.
         "qwen3_moe": save_and_convert(make_hf_model("qwen3_moe"), root / "qwen3_moe"),
+        # Sinks per query head, o_proj's bias and the down projections' added once, biased experts.
+        "gpt_oss": save_and_convert(make_hf_model("gpt_oss"), root / "gpt_oss"),
     }
     paths["qwen2_int8"] = quantize.quantize_checkpoint(paths["qwen2"], "int8")
     paths["llama_odd_vocab_int4"] = quantize.quantize_checkpoint(paths["llama_odd_vocab"], "int4", 32)
     paths["moe_int8"] = quantize.quantize_checkpoint(paths["moe"], "int8")
     paths["moe_int4"] = quantize.quantize_checkpoint(paths["moe"], "int4", 32)
     paths["qwen3_moe_int8"] = quantize.quantize_checkpoint(paths["qwen3_moe"], "int8")
+    paths["gpt_oss_int8"] = quantize.quantize_checkpoint(paths["gpt_oss"], "int8")
     return paths
 
 
@@ -90,7 +93,7 @@ def tp_results(checkpoints, tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["qwen2", "llama_odd_vocab", "moe", "olmo2", "qwen3_moe", "qwen2_int8:dequant",
                                   "llama_odd_vocab_int4:dequant", "moe_int8:dequant", "moe_int4:dequant",
-                                  "qwen3_moe_int8:dequant"])
+                                  "qwen3_moe_int8:dequant", "gpt_oss", "gpt_oss_int8:dequant"])
 def test_tp_matches_single_process(name, checkpoints, tp_results):
     """Sharded == whole to fp32 precision (quantized layers on the fp32 dequantize path)."""
     name, _, variant = name.partition(":")
