@@ -10,9 +10,12 @@ while thinking has thought only).
 
     thinking = Reasoning.of(tokenizer, prompt_ids)        # None: the model does not think
     reasoning, content = thinking.split(answer_text)
+
+OpenAI's harmony format (gpt-oss) writes its answer as messages on channels instead
+(`Harmony`): the `analysis` channel is the thinking, `final` the answer, and a message to a
+recipient (`to=functions.NAME`) a tool call, which tools.py reads.
 """
 import re
-from typing import Optional
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -30,7 +33,10 @@ class Reasoning:
         self.opened = opened  # the prompt ends inside <think>: the answer starts thinking
 
     @classmethod
-    def of(cls, tokenizer, prompt: list) -> Optional["Reasoning"]:
+    def of(cls, tokenizer, prompt: list):
+        """How this model's answers think: a Reasoning, a Harmony, or None."""
+        if tokenizer.chat_template and CHANNEL in tokenizer.chat_template:
+            return Harmony(opened=tokenizer.decode(prompt[-16:]).endswith(THINKING))
         if not tokenizer.chat_template or CLOSE not in tokenizer.chat_template:
             return None
         return cls(opened=tokenizer.decode(prompt[-8:]).rstrip().endswith(OPEN))
@@ -61,6 +67,44 @@ class Reasoning:
         if not final:
             body = body[:len(body) - held_tail(body, CLOSE)].rstrip()
         return body.strip(), ""
+
+
+START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
+THINKING = CHANNEL + "analysis" + MESSAGE
+
+
+class Harmony:
+    """An answer in OpenAI's harmony format, as the prompt's `<|start|>assistant` leaves it to the
+    model: `<|channel|>analysis<|message|>THOUGHT<|end|><|start|>assistant<|channel|>final<|message|>
+    ANSWER`. (tokenizer.py keeps these special tokens in the decoded text.) Each marker is one
+    token, so an answer so far never ends inside one. opened: the prompt ends inside an analysis
+    message, which the answer goes on with."""
+
+    def __init__(self, opened: bool = False):
+        self.opened = opened
+
+    def split(self, text: str, final: bool = True) -> tuple:
+        """(the analysis messages' text, None where there is none; the final and commentary
+        messages' text, with each message to a recipient - a tool call - kept whole, from
+        `<|start|>` on, for tools.py).
+        final is unused: the parts of an answer so far are already beginnings of the whole's."""
+        if self.opened:
+            text = THINKING + text
+        if not text.startswith(CHANNEL):
+            return None, text  # not harmony after all (a constrained answer, a raw completion)
+        thoughts, answer = [], []
+        for message in text.split(START):
+            head, sep, content = message.partition(MESSAGE)
+            if not sep:
+                continue  # its header is still coming
+            content = content.partition(END)[0]
+            if " to=" in f" {head}":  # the recipient may stand after the role or after the channel
+                answer.append(START + head + MESSAGE + content)
+            elif head.partition(CHANNEL)[2].split()[:1] == ["analysis"]:
+                thoughts.append(content)
+            else:
+                answer.append(content)
+        return ("\n".join(thoughts) if thoughts else None), "".join(answer)
 
 
 class ReasoningStream:

@@ -13,6 +13,12 @@ from pathlib import Path
 from typing import Optional
 
 
+# Special tokens that OpenAI's harmony format (gpt-oss) writes between the messages of an answer:
+# decoded text keeps them where the chat template is harmony's (it writes <|channel|>), so the
+# answer's reader (reasoning.Harmony) can tell its thinking from its answer and its tool calls.
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>")
+
+
 class Tokenizer:
     """Common interface: encode/decode plus the special-token facts generation needs."""
 
@@ -124,6 +130,8 @@ class HFTokenizer(Tokenizer):
         self._load_special(checkpoint_dir, default_add_bos=False)
         if "add_bos_token" not in read_json(checkpoint_dir / "tokenizer_config.json"):
             self.add_bos = self.bos_id is not None and with_special[:1] == [self.bos_id]
+        harmony = self.chat_template is not None and "<|channel|>" in self.chat_template
+        self.kept = {self.token_id(m): m for m in HARMONY_MARKERS if harmony and self.token_id(m) is not None}
 
     def token_id(self, token: str) -> Optional[int]:
         return self.tok.token_to_id(token)
@@ -132,7 +140,14 @@ class HFTokenizer(Tokenizer):
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+        if not self.kept or not any(i in self.kept for i in ids):
+            return self.tok.decode(ids, skip_special_tokens=True)
+        pieces, start = [], 0
+        for k, i in enumerate(ids):
+            if i in self.kept:
+                pieces += [self.tok.decode(ids[start:k], skip_special_tokens=True), self.kept[i]]
+                start = k + 1
+        return "".join(pieces + [self.tok.decode(ids[start:], skip_special_tokens=True)])
 
     @property
     def vocab_size(self) -> int:

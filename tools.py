@@ -7,7 +7,8 @@ How a model calls tools is what its chat template taught it:
   them as transformers gives them, with the conversation's tool calls and results as they come;
   the model answers in the format the template shows: `<tool_call>{"name": ..., "arguments": ...}
   </tool_call>` blocks ("hermes", wherever the template writes that tag), or else one bare JSON
-  object (Llama 3.x's `{"name": ..., "parameters": ...}`);
+  object (Llama 3.x's `{"name": ..., "parameters": ...}`), or, in OpenAI's harmony format (gpt-oss),
+  a message to the recipient `functions.NAME` whose text is the arguments;
 - a template that knows no tools (SmolLM2, Gemma, ...) gets them in a system message that asks for
   the hermes format, its assistant calls as that text and the results as user turns.
 
@@ -29,9 +30,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
+from reasoning import CHANNEL, MESSAGE, START
 from structured import WHITESPACE, lark_grammar
 
-HERMES, JSON = "hermes", "json"
+HERMES, JSON, HARMONY = "hermes", "json", "harmony"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 # For a template without tools: the hermes format, which many instruction-tuned models have seen.
@@ -106,7 +108,7 @@ class Tools:
     choice: str            # "auto", "required", or the one function's name that must be called
     parallel: bool         # more than one call in an answer
     native: bool           # the chat template takes `tools`
-    style: str             # HERMES or JSON
+    style: str             # HERMES, JSON or HARMONY
     arguments_key: str = "arguments"
     system: bool = True    # the chat template takes a system message (Gemma 2's refuses one)
     short_ids: bool = False  # call ids of 9 characters: Mistral's templates refuse any other
@@ -139,7 +141,8 @@ class Tools:
             raise ToolsError("'tool_choice' must be \"none\", \"auto\", \"required\" or "
                              "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
         native = tokenizer.chat_template_takes("tools")
-        style = HERMES if not native or OPEN in tokenizer.chat_template else JSON
+        style = (HARMONY if native and CHANNEL in tokenizer.chat_template else
+                 HERMES if not native or OPEN in tokenizer.chat_template else JSON)
         key = "parameters" if style == JSON and '"parameters"' in tokenizer.chat_template else "arguments"
         return cls(specs, choice, parallel, native, style, key, native or takes_system(tokenizer),
                    "[TOOL_CALLS]" in tokenizer.chat_template)
@@ -182,6 +185,8 @@ class Tools:
         """-> (a Lark grammar for llguidance, or None where the answer is free; the text that starts
         it, or None where it holds from the first token): Request's grammar and grammar_trigger.
         answer_schema: response_format's, which an answer without calls follows."""
+        if self.style == HARMONY:  # its calls follow the thinking, in special tokens: read, not held
+            return None, None
         names = [self.choice] if self.forced and self.choice != "required" else list(self.schemas)
         call = f"%json {json.dumps(self.call_schema(names), ensure_ascii=False)}"
         many = self.parallel and self.choice in ("auto", "required")
@@ -209,7 +214,8 @@ class Tools:
     def parse(self, text: str) -> tuple:
         """An answer -> (its text outside the calls, the calls as OpenAI's tool_calls entries).
         A call that does not parse or names no tool leaves the whole answer as text."""
-        found = self._hermes(text) if self.style == HERMES else self._json(text)
+        found = (self._hermes(text) if self.style == HERMES else self._harmony(text) if self.style == HARMONY
+                 else self._json(text))
         if found is None:
             return text, []
         outside, raw = found
@@ -239,6 +245,22 @@ class Tools:
             return None
         outside.append(text[at:])
         return "".join(outside), blocks
+
+    def _harmony(self, text: str) -> Optional[tuple]:
+        """reasoning.Harmony's answer text: each call a message from <|start|> on, its recipient
+        `functions.NAME` in the header, its arguments the message."""
+        calls, outside = [], []
+        for k, message in enumerate(text.split(START)):
+            head, sep, body = message.partition(MESSAGE)
+            recipient = re.search(r"\bto=functions\.([^\s<]+)", head) if k and sep else None
+            if recipient is None:
+                outside.append(message if k == 0 else START + message)
+                continue
+            try:
+                calls.append({"name": recipient.group(1), "arguments": json.loads(body)})
+            except json.JSONDecodeError:
+                return None
+        return ("".join(outside), calls) if calls else None
 
     def _json(self, text: str) -> Optional[tuple]:
         body = text.strip()
@@ -283,6 +305,9 @@ class ToolStream:
         """How much of the answer is known to be text, not a call."""
         if self.tools.forced:
             return 0
+        if self.tools.style == HARMONY:  # a call is a message from <|start|> on, a token of its own
+            i = self.text.find(START, self.shown)
+            return len(self.text) if i < 0 else i
         if self.tools.style == JSON:  # a call is the whole answer: its first character tells
             head = self.text.lstrip()
             return 0 if self.shown == 0 and (not head or head[0] in "{[") else len(self.text)

@@ -137,3 +137,115 @@ def test_chat_page_shows_the_thinking(thinking_server):
         assert driver.execute_script("return document.querySelector('.thinking div').textContent") == thought
     finally:
         driver.quit()
+
+
+# --- OpenAI's harmony format (gpt-oss) --------------------------------------------------------------
+
+HARMONY_MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|return|>", "<|call|>"]
+# The shape of gpt-oss's template: messages between <|start|> and <|end|>, an assistant's on a
+# channel, the tools listed where given; `prefill` opens the answer's analysis message.
+HARMONY_TEMPLATE = (
+    "{% if tools %}<|start|>developer<|message|>{% for t in tools %}{{ t.function.name }} {% endfor %}<|end|>"
+    "{% endif %}{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final"
+    "{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}{% if add_generation_prompt %}<|start|>assistant"
+    "{% if prefill is defined and prefill %}<|channel|>analysis<|message|>{% endif %}{% endif %}")
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def harmony_checkpoint(root):
+    """chat_checkpoint's tiny model, its tokenizer given harmony's special tokens (<|return|> and
+    <|call|> end an answer, as gpt-oss's generation_config.json says)."""
+    import json
+    from conftest import save_tokenizer, set_chat_template
+    path = chat_checkpoint(root, HARMONY_TEMPLATE)
+    hf_tok = save_tokenizer(root / "hf")
+    hf_tok.add_special_tokens({"additional_special_tokens": HARMONY_MARKERS})
+    hf_tok.save_pretrained(root)
+    set_chat_template(root, HARMONY_TEMPLATE)
+    ends = [hf_tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|return|>", "<|call|>")]
+    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+    return path
+
+
+HARMONY_ANSWERS = [  # answer -> (thinking, content, the calls' names and arguments)
+    ("<|channel|>analysis<|message|>Two and two.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.",
+     ("Two and two.", "It is 4.", [])),
+    ("<|channel|>final<|message|>No thinking.", (None, "No thinking.", [])),
+    ("<|channel|>analysis<|message|>Weather asked.<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
+     ("Weather asked.", "", [("get_weather", {"city": "Paris"})])),
+    # The recipient after the role, as harmony allows it.
+    ('<|channel|>analysis<|message|>x<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json'
+     '<|message|>{"city": "Rome"}', ("x", "", [("get_weather", {"city": "Rome"})])),
+    ("Not harmony at all.", (None, "Not harmony at all.", [])),
+    ("<|channel|>analysis<|message|>cut off while thin", ("cut off while thin", "", [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", HARMONY_ANSWERS, ids=range(len(HARMONY_ANSWERS)))
+def test_harmony_answer_read_whole_and_streamed(text, expected, tmp_path):
+    """A harmony answer's tokens (the markers special tokens, which the decoded text keeps and
+    <|endoftext|> it drops) read as the server reads them: whole, and streamed a token at a time as
+    the engine's text grows, into the same thinking, content and tool calls."""
+    import json
+    from server import Answer
+    from tools import Tools
+    harmony_checkpoint(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Hi"}], tools=WEATHER)
+    thinking, tools = Reasoning.of(tokenizer, prompt), Tools.read(WEATHER, "auto", True, tokenizer)
+    assert (type(thinking).__name__, thinking.opened, tools.style) == ("Harmony", False, "harmony")
+    ids = tokenizer.encode(text, bos=False)
+    assert tokenizer.decode(ids + [0]) == text
+    thought, content, calls = Answer(thinking, tools).read(text)
+    assert (thought, content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]) \
+        == expected
+    answer, shown, streamed = Answer(thinking, tools), "", ("", "")
+    for k in range(1, len(ids) + 1):
+        now = tokenizer.decode(ids[:k])
+        piece, shown = now[len(shown):], now
+        t, c, _ = answer.feed(piece, final=False)
+        streamed = (streamed[0] + t, streamed[1] + c)
+    t, c, last_calls = answer.feed("", final=True)
+    assert (streamed[0] + t, streamed[1] + c) == (expected[0] or "", expected[1])
+    assert [c["function"]["name"] for c in last_calls] == [name for name, _ in expected[2]]
+
+
+@pytest.fixture(scope="module")
+def harmony_server(tmp_path_factory):
+    from test_server import KEY, start_server, stop_server
+    d = tmp_path_factory.mktemp("harmony")
+    path = harmony_checkpoint(d)
+    proc, url = start_server(path, "--api_key", KEY, "--max_batch_size", "2", "--max_seq_length", "256",
+                             "--model_name", "tiny")
+    yield url, path
+    stop_server(proc)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_harmony_through_the_client(harmony_server):
+    """A harmony template whose prompt opens the analysis channel (chat_template_kwargs prefill):
+    the random model's answer is thinking until it writes <|end|>; whole and streamed, the thinking
+    and the content equal the split of the same generation in this process; without the prefill,
+    an answer that does not open a channel is all content."""
+    import openai
+    from reasoning import Harmony
+    from test_server import KEY
+    url, path = harmony_server
+    model, tokenizer = load_model(path), load_tokenizer(path.parent)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    question = [{"role": "user", "content": "What colour is the sky?"}]
+    for prefill in (True, False):
+        ids = tokenizer.encode_chat(question, variables={"prefill": prefill})
+        out = generate(model, torch.tensor(ids), 16, eos_ids=tokenizer.eos_ids)[0, len(ids):].tolist()
+        out = out[:next((k for k, i in enumerate(out) if i in tokenizer.eos_ids), len(out))]
+        thought, content = Harmony(opened=prefill).split(tokenizer.decode(out))
+        assert (thought is not None) == prefill
+        kwargs = dict(model="tiny", messages=question, max_tokens=16, temperature=0,
+                      extra_body={"chat_template_kwargs": {"prefill": prefill}})
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        assert (message.model_extra.get("reasoning_content"), message.content) == (thought, content)
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        assert "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks) == (thought or "")
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == content
