@@ -67,7 +67,8 @@ def rope_attention_factor(scaling: Optional[dict]) -> float:
         return scaling["attention_factor"]
     factor = scaling["factor"]
     if kind == "longrope":
-        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
+        old_len = scaling["original_max_position_embeddings"]
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
 
     def mscale(m):
         return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0

@@ -360,7 +360,7 @@ def template_messages(messages: list, native: bool) -> list:
 def read_messages(messages: list) -> list:
     """OpenAI's chat messages -> what the templating reads: {"role", "content"} with the text parts
     joined, "developer" as "system", an assistant's tool_calls checked (arguments a JSON object's
-    text) and reasoning_content kept, a tool result with the name of the function it answers.
+    text) and reasoning_content kept (also as thinking), a tool result with the name of the function it answers.
     ValueError naming the fault."""
     out, names = [], {}  # tool call id -> its function's name, which some templates write beside a result
     for i, m in enumerate(messages):
@@ -392,7 +392,8 @@ def read_messages(messages: list) -> list:
         else:
             out.append({"role": role, "content": content})
         if thought is not None:  # a thinking model's earlier thought, which its template may write back
-            out[-1]["reasoning_content"] = thought
+            out[-1]["reasoning_content"] = thought  # Qwen3's name for it
+            out[-1]["thinking"] = thought  # gpt-oss's, Ministral 3's and DeepSeek-V3.2's
     return out
 
 

@@ -63,8 +63,8 @@ FAMILIES = {
     "olmo3": ("Olmo3ForCausalLM", "Olmo3Config", dict(num_key_value_heads=2, sliding_window=8, eos_token_id=0,
                                                        layer_types=["sliding_attention", "full_attention"])),
     # EXAONE 4: post-norms, per-head q/k norms; the global layers of a windowed model without RoPE.
-    "exaone4": ("Exaone4ForCausalLM", "Exaone4Config", dict(num_hidden_layers=4, num_key_value_heads=2, sliding_window=8,
-                                                             sliding_window_pattern=2, layer_types=None)),
+    "exaone4": ("Exaone4ForCausalLM", "Exaone4Config", dict(
+        num_hidden_layers=4, num_key_value_heads=2, sliding_window=8, sliding_window_pattern=2, layer_types=None)),
     # Seed-OSS: q/k/v bias (not o_proj), head_dim of its own.
     "seed_oss": ("SeedOssForCausalLM", "SeedOssConfig", dict(num_key_value_heads=2, head_dim=24)),
     # GLM-4-0414: norms before and after each sublayer, RoPE on neighbouring pairs of half of each
