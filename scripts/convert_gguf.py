@@ -27,7 +27,8 @@ from rope import rope_frequencies  # noqa: E402
 from scripts.convert_hf_checkpoint import check_against_model, rope_halves, split_gate_up  # noqa: E402
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "olmo2", "exaone4",
-                           "seed_oss", "glm4", "granite")
+                           "seed_oss", "glm4", "ernie4_5", "granite")
+INTERLEAVED_ROPE = ("glm4", "ernie4_5")  # HF's layout kept: RoPE on neighbouring pairs (llama.cpp's "norm" rope type)
 POST_NORMS = ("olmo2", "exaone4")  # x + norm(f(x)); OLMo 3 is architecture olmo2 with a window
 PERMUTED = ("llama", "granite")  # llama.cpp's converter interleaves these architectures' q/k rows
 GEMMA = ("gemma2", "gemma3")
@@ -360,10 +361,11 @@ def convert_tensors(reader, config: ModelArgs, dtype=None) -> dict:
         q, k = state.pop(p + "wq.weight"), state.pop(p + "wk.weight")
         if arch in PERMUTED:
             q, k = unpermute(q, config.n_head), unpermute(k, config.n_local_heads)
-        if arch == "glm4":  # HF's layout kept: RoPE on neighbouring pairs (llama.cpp's "norm" rope type)
+        if arch in INTERLEAVED_ROPE:
             q, k = rope_halves(q, config.n_head, config), rope_halves(k, config.n_local_heads, config)
             for x, heads in (("q", config.n_head), ("k", config.n_local_heads)):
-                state[p + f"w{x}.bias"] = rope_halves(state[p + f"w{x}.bias"], heads, config)
+                if p + f"w{x}.bias" in state:
+                    state[p + f"w{x}.bias"] = rope_halves(state[p + f"w{x}.bias"], heads, config)
         state[p + "wqkv.weight"] = torch.cat([q, k, state.pop(p + "wv.weight")])
         if config.attention_bias:
             state[p + "wqkv.bias"] = torch.cat([state.pop(p + f"w{x}.bias") for x in "qkv"])

@@ -22,7 +22,7 @@ from model import ModelArgs  # noqa: E402
 from rope import ROPE_TYPES, rope_type  # noqa: E402
 
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
-             "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4", "gpt_oss")
+             "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4", "gpt_oss", "ernie4_5")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 
@@ -107,12 +107,13 @@ HF_DEFAULTS = {
     "seed_oss": dict(attention_bias=True),
     "glm": dict(attention_bias=True, head_dim=128),
     "glm4": dict(attention_bias=True, head_dim=128),
+    "ernie4_5": dict(tie_word_embeddings=True, head_dim=128),
     "gpt_oss": dict(attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702),
     "granite": dict(embedding_multiplier=1.0, attention_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0),
 }
-DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0, "olmo3": 500_000.0}
+DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0}
 PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5}  # transformers' defaults where a config leaves it out
-INTERLEAVED_ROPE = ("glm", "glm4")  # RoPE on pairs (0, 1), (2, 3), ...: the converter reorders q/k rows to halves
+INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5")  # RoPE on pairs (0, 1), (2, 3), ...: the converter reorders q/k rows to halves
 QKV_BIAS = ("qwen2", "seed_oss", "glm", "glm4")  # families whose attention_bias puts a bias on q/k/v only
 POST_NORMS = ("olmo2", "olmo3", "exaone4")  # x + norm(f(x))
 # HF activation name -> ModelArgs.hidden_act
@@ -133,7 +134,7 @@ def config_from_hf(hf: dict) -> ModelArgs:
     act = hf.get(act_key, "silu")
     if act not in ACTIVATIONS:
         raise ValueError(f"unsupported {act_key} {act!r}; supported: {', '.join(ACTIVATIONS)}")
-    for key in ("mlp_bias", "use_bidirectional_attention", "attention_out_bias") + (
+    for key in ("mlp_bias", "use_bidirectional_attention", "attention_out_bias", "use_bias") + (
             ("attention_bias",) if model_type not in QKV_BIAS + ("gpt_oss",) else ()):
         if hf.get(key):  # (attention_bias: these families put a bias on o_proj too)
             raise ValueError(f"unsupported {key}=true in the {model_type} config.json")
@@ -348,17 +349,17 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
         state.pop("output.weight", None)  # the loader ties it to tok_embeddings
     for i in range(config.n_layer):
         p = f"layers.{i}.attention."
-        if model_type in INTERLEAVED_ROPE:
-            for x, heads in (("q", config.n_head), ("k", config.n_local_heads)):
-                for kind in ("weight", "bias"):
-                    if p + f"w{x}.{kind}" in state:
-                        state[p + f"w{x}.{kind}"] = rope_halves(state[p + f"w{x}.{kind}"], heads, config)
         for kind in ("weight", "bias"):
             parts = [state.pop(p + f"w{x}.{kind}", None) for x in "qkv"]
             if all(t is not None for t in parts):
                 state[p + f"wqkv.{kind}"] = torch.cat(parts)
             elif any(t is not None for t in parts):
                 raise ValueError(f"layer {i}: q/k/v {kind}s are incomplete in the HF checkpoint")
+            if model_type in INTERLEAVED_ROPE and p + f"wqkv.{kind}" in state:  # fused here or in the checkpoint
+                q_dim, kv_dim = config.n_head * config.head_dim, config.n_local_heads * config.head_dim
+                q, k, v = state[p + f"wqkv.{kind}"].split([q_dim, kv_dim, kv_dim])
+                state[p + f"wqkv.{kind}"] = torch.cat([rope_halves(q, config.n_head, config),
+                                                       rope_halves(k, config.n_local_heads, config), v])
         f = f"layers.{i}.feed_forward."
         if f + "w13.weight" in state:  # Phi-3's gate_up_proj
             state[f + "w1.weight"], state[f + "w3.weight"] = split_gate_up(state.pop(f + "w13.weight"))

@@ -77,6 +77,9 @@ FAMILIES = {
         num_key_value_heads=2, head_dim=16, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
         sliding_window=8, rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
                                                beta_slow=1.0, truncate=False, original_max_position_embeddings=16))),
+    # ERNIE 4.5: LLaMA with RoPE on neighbouring pairs over the whole head, tied.
+    "ernie4_5": ("Ernie4_5ForCausalLM", "Ernie4_5Config", dict(num_key_value_heads=2, head_dim=16,
+                                                                tie_word_embeddings=True)),
     # Granite 3's multipliers (its 8B: 12, 1/128, 0.22, 16); untied: the tests' wide random
     # embeddings, times 12 and tied, would make greedy repeat the last token.
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(

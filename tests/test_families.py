@@ -17,7 +17,7 @@ from load import load_model
 from scripts.convert_hf_checkpoint import config_from_hf
 
 NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3", "olmo2", "olmo3",
-                "exaone4", "seed_oss", "glm4", "glm", "gpt_oss", "granite"]
+                "exaone4", "seed_oss", "glm4", "glm", "gpt_oss", "ernie4_5", "granite"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -101,6 +101,7 @@ EXPECTED_CONFIG = {
     "glm": dict(block_norms="pre", rope_dim=8, attention_bias=True),
     "gpt_oss": dict(attention_bias=True, attention_out_bias=True, attention_sinks=True, moe_bias=True, num_experts=4,
                     swiglu_limit=7.0, swiglu_alpha=1.702, sliding_window_layers=[0], moe_intermediate_size=48),
+    "ernie4_5": dict(tie_embeddings=True, rope_base=500000.0, head_dim=16),
     "granite": dict(embedding_scale=12.0, attention_scale=1 / 16, residual_scale=0.22, logit_divisor=4.0),
 }
 

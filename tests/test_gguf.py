@@ -137,7 +137,7 @@ def write_gguf(path, state: dict, c: ModelArgs, qtype=T.F32, arch="llama", vocab
         i = name.split(".")[1] if name.startswith("layers.") else None
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             t = t + 1
-        if arch == "glm4" and (name.endswith("wqkv.weight") or name.endswith("wqkv.bias")):  # back to HF's pairs
+        if arch in ("glm4", "ernie4_5") and (name.endswith("wqkv.weight") or name.endswith("wqkv.bias")):  # HF's pairs
             q, k, v = t.split([c.n_head * c.head_dim, c.n_local_heads * c.head_dim, c.n_local_heads * c.head_dim])
             for x, part in zip("qkv", (interleaved(q, c.n_head, c), interleaved(k, c.n_local_heads, c), v)):
                 tensors[f"blk.{i}.attn_{x}.{name.rpartition('.')[2]}"] = part
@@ -258,6 +258,7 @@ FAMILY_ROUND_TRIPS = {
     "exaone4": ("exaone4", "exaone4", {}),
     "seed_oss": ("seed_oss", "seed_oss", {}),
     "glm4": ("glm4", "glm4", {}),
+    "ernie4_5": ("ernie4_5", "ernie4_5", {}),
     "qwen3_yarn": ("qwen3", "qwen3", dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, beta_fast=16.0))),
     "qwen3_yarn_attention_factor": ("qwen3", "qwen3", dict(rope_parameters=dict(
