@@ -12,6 +12,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from typing import Optional
+
 import torch
 
 if __name__ == "__main__":  # run as a script: make the repo root importable
@@ -91,13 +93,22 @@ FAMILY_WEIGHT_MAP = {
              "model.layers.{}.post_mlp_layernorm.weight": "layers.{}.post_ffn_norm.weight"},
 }
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# A multimodal checkpoint's language model (Gemma 3 from 4B, Mistral Small 3.1 / 3.2, LLaVA-style
+# models): its tensors under these prefixes, as text-only checkpoints name them; the rest (the vision
+# tower, the projector) is left out.
+TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                 ("language_model.lm_head.", "lm_head."), ("model.lm_head.", "lm_head."))
 
 # transformers' defaults for the keys a hub config.json of the family may leave out.
 HF_DEFAULTS = {
     "gemma2": dict(tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
                    sliding_window=4096, final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
+    # (the hub's multimodal Gemma 3 configs leave out of text_config all that equals these)
     "gemma3_text": dict(tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
-                        sliding_window=4096, sliding_window_pattern=6, rope_local_base_freq=10_000.0),
+                        sliding_window=4096, sliding_window_pattern=6, rope_local_base_freq=10_000.0,
+                        vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                        rms_norm_eps=1e-6),
     "smollm3": dict(tie_word_embeddings=True, no_rope_layer_interval=4),
     "qwen2": dict(max_window_layers=28),
     "qwen3": dict(max_window_layers=28),
@@ -119,6 +130,28 @@ POST_NORMS = ("olmo2", "olmo3", "exaone4")  # x + norm(f(x))
 # HF activation name -> ModelArgs.hidden_act
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 GEMMA = ("gemma2", "gemma3_text")
+
+
+def text_model(hf: dict) -> dict:
+    """A multimodal checkpoint's config.json (one with a text_config) -> its language model's;
+    another config as it is."""
+    if not isinstance(hf.get("text_config"), dict):
+        return hf
+    text = hf["text_config"]
+    if text.get("model_type") not in SUPPORTED:
+        raise ValueError(f"the {hf.get('model_type')!r} checkpoint's language model has model_type "
+                         f"{text.get('model_type')!r}; supported: {', '.join(SUPPORTED)}")
+    # The wrapper's tie_word_embeddings is the one transformers applies (and saves the weights by).
+    return {**text, **{k: hf[k] for k in ("tie_word_embeddings",) if k in hf}}
+
+
+def text_tensor_name(name: str) -> Optional[str]:
+    """A multimodal checkpoint's tensor -> its text-only name, None for the vision tower's and the
+    projector's (TEXT_PREFIXES)."""
+    for prefix, replacement in TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return name if name.startswith("lm_head.") else None
 
 
 def config_from_hf(hf: dict) -> ModelArgs:
@@ -339,11 +372,14 @@ def rope_halves(w: torch.Tensor, heads: int, config: ModelArgs) -> torch.Tensor:
     return w.reshape(heads, hd, *w.shape[1:])[:, order].reshape(w.shape)
 
 
-def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "llama") -> dict:
+def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "llama",
+                       multimodal: bool = False) -> dict:
+    """multimodal: the checkpoint holds more than the language model, whose tensors alone are kept."""
     weight_map = {**WEIGHT_MAP, **FAMILY_WEIGHT_MAP.get(model_type, {})}
     state = {}
     for name, tensor in hf_state.items():
-        if not IGNORED.fullmatch(name):
+        name = text_tensor_name(name) if multimodal else name
+        if name is not None and not IGNORED.fullmatch(name):
             state[rename(name, weight_map)] = tensor
     if config.tie_embeddings:
         state.pop("output.weight", None)  # the loader ties it to tok_embeddings
@@ -447,7 +483,11 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output_dir: Path = None) -> Path
         raise ValueError(f"{source} holds the HF files, whose config.json would be overwritten by brisk's; "
                          f"move them into {source / 'hf'} or pass --output_dir")
     check_output_dir(output_dir, "--output_dir")
-    hf_config = read_json(source / "config.json")
+    outer = read_json(source / "config.json")
+    hf_config = text_model(outer)
+    if hf_config is not outer:
+        print(f"converting the language model ({hf_config['model_type']}) of this {outer.get('model_type')} "
+              "checkpoint; the vision tower is left out", file=sys.stderr)
     try:
         config = config_from_hf(hf_config)
     except KeyError as e:
@@ -460,7 +500,7 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output_dir: Path = None) -> Path
     for k, path in enumerate(files, 1):
         print(f"[{k}/{len(files)}] reading {path.name}", file=sys.stderr, flush=True)
         hf_state.update(load_shard(path))
-    state = convert_state_dict(hf_state, config, hf_config["model_type"])
+    state = convert_state_dict(hf_state, config, hf_config["model_type"], multimodal=hf_config is not outer)
     check_against_model(state, config)
 
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -275,3 +275,55 @@ def test_gpt_oss_mxfp4_checkpoint(tmp_path):
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(our_logits(model, ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def multimodal_model(kind: str):
+    """A tiny random multimodal model of transformers' (a vision tower beside the language model)."""
+    import transformers
+    text = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    if kind == "gemma3":
+        config = transformers.Gemma3Config(text_config=dict(text, sliding_window=8, query_pre_attn_scalar=16),
+                                           vision_config=vision, mm_tokens_per_image=4, image_token_index=255,
+                                           boi_token_index=253, eoi_token_index=254)
+        cls = transformers.Gemma3ForConditionalGeneration
+    else:
+        config = transformers.Mistral3Config(text_config=dict(text, model_type="mistral"), image_token_index=255,
+                                             vision_config=dict(vision, model_type="pixtral", head_dim=16))
+        cls = transformers.Mistral3ForConditionalGeneration
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.15) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("kind, layout", [("gemma3", "hub"), ("gemma3", "transformers5"), ("mistral3", "hub")])
+def test_multimodal_checkpoint_converts_its_language_model(kind, layout, tmp_path):
+    """Gemma 3 from 4B and Mistral Small 3.1 / 3.2 ship as multimodal checkpoints: the converter
+    takes the language model (the hub's config leaves out of text_config what equals its defaults;
+    tensors as the hub names them or as transformers 5 does in memory) and leaves the vision tower
+    out; its logits are the multimodal model's on text."""
+    from safetensors.torch import load_file, save_file
+    from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+    hf = multimodal_model(kind)
+    hf.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    if kind == "gemma3":  # as google/gemma-3-4b-it's: only what differs from Gemma3TextConfig's defaults
+        for key in ("rms_norm_eps", "hidden_activation", "rope_parameters", "layer_types", "tie_word_embeddings",
+                    "final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
+            config["text_config"].pop(key, None)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    if layout == "transformers5":
+        renamed = {}
+        for name, t in load_file(tmp_path / "hf" / "model.safetensors").items():
+            name = name.replace("language_model.model.", "model.language_model.")
+            renamed["model." + name if name.startswith(("vision_tower.", "multi_modal_projector.")) else name] = t
+        save_file(renamed, tmp_path / "hf" / "model.safetensors")
+    model = load_model(convert_hf_checkpoint(tmp_path))
+    ids = torch.randint(0, 250, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(our_logits(model, ids), hf(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
