@@ -37,6 +37,10 @@ class ModelArgs:
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     attention_out_bias: bool = False  # the output projection too (gpt-oss)
     attention_sinks: bool = False  # a learned logit per head joins each softmax and attends to nothing (gpt-oss)
+    # Queries times 1 + beta * log(1 + floor(position / length)): sharper attention past the original
+    # context (Llama 4's and Ministral 3's long-context rule), 1 within it.
+    query_scale_beta: Optional[float] = None
+    query_scale_length: Optional[int] = None
     tie_embeddings: bool = False  # output projection shares tok_embeddings.weight
     sliding_window: Optional[int] = None  # Mistral v0.1: attend to the last N positions only
     num_experts: int = 0  # > 0 selects the mixture-of-experts feed-forward (Mixtral)
@@ -405,6 +409,7 @@ class Attention(nn.Module):
         self.scale = config.attention_scale or config.head_dim ** -0.5
         self.softcap = config.attn_logit_softcap
         self.use_rope = layer_id not in (config.no_rope_layers or ())
+        self.query_scale = (config.query_scale_beta, config.query_scale_length) if config.query_scale_beta else None
         self.qk_norm = config.qk_norm
         if config.qk_norm is not None:
             # "head": one norm over head_dim shared by the heads; "all": over the whole q (k) projection.
@@ -431,6 +436,10 @@ class Attention(nn.Module):
         if self.use_rope:
             rotate = self.rotate if self.rotate is not None and not torch.compiler.is_compiling() else apply_rope
             q, k = rotate(q, rope), rotate(k, rope)
+        if self.query_scale is not None:
+            beta, length = self.query_scale
+            scale = 1 + beta * torch.log1p(torch.floor(input_pos / length))  # (T,) or (B, T)
+            q = q * scale.to(q.dtype)[..., None, None]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
         self.kv_cache.update(input_pos, k, v, cache_rows)
         if mask is None:

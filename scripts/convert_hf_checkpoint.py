@@ -24,7 +24,7 @@ from model import ModelArgs  # noqa: E402
 from rope import ROPE_TYPES, rope_type  # noqa: E402
 
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
-             "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4", "gpt_oss", "ernie4_5")
+             "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4", "gpt_oss", "ernie4_5", "ministral3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 
@@ -189,6 +189,7 @@ def config_from_hf(hf: dict) -> ModelArgs:
     if model_type == "exaone4" and window is not None:  # the global layers of a windowed EXAONE 4 have no RoPE
         no_rope = [i for i in range(n_layer) if i not in (window_layers or range(n_layer))] or None
     gemma, granite, gpt_oss = model_type in GEMMA, model_type == "granite", model_type == "gpt_oss"
+    beta, length = query_scale_from_hf(hf)
     return ModelArgs(
         block_size=hf["max_position_embeddings"],
         vocab_size=hf["vocab_size"],
@@ -204,6 +205,8 @@ def config_from_hf(hf: dict) -> ModelArgs:
         attention_bias=(model_type in QKV_BIAS or gpt_oss) and bool(hf.get("attention_bias", True)),
         attention_out_bias=gpt_oss and bool(hf.get("attention_bias", True)),
         attention_sinks=gpt_oss,
+        query_scale_beta=beta,
+        query_scale_length=length,
         moe_bias=gpt_oss,
         swiglu_limit=hf["swiglu_limit"] if gpt_oss else None,
         swiglu_alpha=hf["swiglu_alpha"] if gpt_oss else None,
@@ -280,6 +283,14 @@ def rope_from_hf(hf: dict, model_type: str) -> tuple:
     return rope_base, scaling if kind != "default" else None, rope_local_base, partial
 
 
+def query_scale_from_hf(hf: dict) -> tuple:
+    """(beta, length) of Llama 4's / Ministral 3's query scaling, which Ministral 3 keeps among its rope
+    parameters as llama_4_scaling_beta over original_max_position_embeddings; (None, None) without."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    beta = params.get("llama_4_scaling_beta") if isinstance(params, dict) else None
+    return (float(beta), int(params["original_max_position_embeddings"])) if beta else (None, None)
+
+
 def sliding_window_from_hf(hf: dict, model_type: str) -> tuple:
     """(sliding_window, sliding_window_layers): the window and the layers it applies to (None: all).
 
@@ -288,7 +299,7 @@ def sliding_window_from_hf(hf: dict, model_type: str) -> tuple:
     window, n = hf.get("sliding_window"), hf["num_hidden_layers"]
     if model_type in ("qwen2", "qwen3", "qwen3_moe", "smollm3") and not hf.get("use_sliding_window", False):
         window = None
-    if window is None or model_type in ("mistral", "mixtral", "phi3"):
+    if window is None or model_type in ("mistral", "mixtral", "phi3", "ministral3"):
         return window, None
     types = hf.get("layer_types")
     if types is None:

@@ -80,6 +80,12 @@ FAMILIES = {
     # ERNIE 4.5: LLaMA with RoPE on neighbouring pairs over the whole head, tied.
     "ernie4_5": ("Ernie4_5ForCausalLM", "Ernie4_5Config", dict(num_key_value_heads=2, head_dim=16,
                                                                 tie_word_embeddings=True)),
+    # Ministral 3: YaRN, and queries scaled up past the original context (here 8 positions, so the
+    # tests' 40-token prompts see the scaling grow).
+    "ministral3": ("Ministral3ForCausalLM", "Ministral3Config", dict(
+        num_key_value_heads=2, head_dim=16, rope_parameters=dict(
+            rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=8, beta_fast=32.0,
+            beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1))),
     # Granite 3's multipliers (its 8B: 12, 1/128, 0.22, 16); untied: the tests' wide random
     # embeddings, times 12 and tied, would make greedy repeat the last token.
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(

@@ -11,13 +11,13 @@ import torch
 
 import kernels
 import quantize
-from conftest import make_hf_model, save_and_convert
+from conftest import FAMILIES, make_hf_model, save_and_convert
 from decode import generate
 from load import load_model
 from scripts.convert_hf_checkpoint import config_from_hf
 
 NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3", "olmo2", "olmo3",
-                "exaone4", "seed_oss", "glm4", "glm", "gpt_oss", "ernie4_5", "granite"]
+                "exaone4", "seed_oss", "glm4", "glm", "gpt_oss", "ernie4_5", "ministral3", "granite"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -102,6 +102,7 @@ EXPECTED_CONFIG = {
     "gpt_oss": dict(attention_bias=True, attention_out_bias=True, attention_sinks=True, moe_bias=True, num_experts=4,
                     swiglu_limit=7.0, swiglu_alpha=1.702, sliding_window_layers=[0], moe_intermediate_size=48),
     "ernie4_5": dict(tie_embeddings=True, rope_base=500000.0, head_dim=16),
+    "ministral3": dict(query_scale_beta=0.1, query_scale_length=8),
     "granite": dict(embedding_scale=12.0, attention_scale=1 / 16, residual_scale=0.22, logit_divisor=4.0),
 }
 
@@ -289,8 +290,11 @@ def multimodal_model(kind: str):
                                            vision_config=vision, mm_tokens_per_image=4, image_token_index=255,
                                            boi_token_index=253, eoi_token_index=254)
         cls = transformers.Gemma3ForConditionalGeneration
-    else:
-        config = transformers.Mistral3Config(text_config=dict(text, model_type="mistral"), image_token_index=255,
+    else:  # Mistral Small 3.1 / 3.2 (text: mistral), Ministral 3 (ministral3, with its YaRN and query scaling)
+        if kind == "ministral3":
+            text = dict(text, rope_parameters=FAMILIES["ministral3"][2]["rope_parameters"])
+        text_type = {"mistral3": "mistral", "ministral3": "ministral3"}[kind]
+        config = transformers.Mistral3Config(text_config=dict(text, model_type=text_type), image_token_index=255,
                                              vision_config=dict(vision, model_type="pixtral", head_dim=16))
         cls = transformers.Mistral3ForConditionalGeneration
     torch.manual_seed(0)
@@ -301,7 +305,8 @@ def multimodal_model(kind: str):
     return model
 
 
-@pytest.mark.parametrize("kind, layout", [("gemma3", "hub"), ("gemma3", "transformers5"), ("mistral3", "hub")])
+@pytest.mark.parametrize("kind, layout", [("gemma3", "hub"), ("gemma3", "transformers5"), ("mistral3", "hub"),
+                                          ("ministral3", "hub")])
 def test_multimodal_checkpoint_converts_its_language_model(kind, layout, tmp_path):
     """Gemma 3 from 4B and Mistral Small 3.1 / 3.2 ship as multimodal checkpoints: the converter
     takes the language model (the hub's config leaves out of text_config what equals its defaults;
