@@ -142,7 +142,7 @@ def text_model(hf: dict) -> dict:
         raise ValueError(f"the {hf.get('model_type')!r} checkpoint's language model has model_type "
                          f"{text.get('model_type')!r}; supported: {', '.join(SUPPORTED)}")
     # The wrapper's tie_word_embeddings is the one transformers applies (and saves the weights by).
-    return {**text, **{k: hf[k] for k in ("tie_word_embeddings",) if k in hf}}
+    return {**text, **{k: hf[k] for k in ("tie_word_embeddings", "quantization_config") if k in hf}}
 
 
 def text_tensor_name(name: str) -> Optional[str]:
@@ -159,6 +159,11 @@ def config_from_hf(hf: dict) -> ModelArgs:
     if model_type not in SUPPORTED:
         raise ValueError(f"unsupported architecture {model_type!r} ({hf.get('architectures')}); "
                          f"supported model_type values: {', '.join(SUPPORTED)}")
+    quantized = hf.get("quantization_config") or {}
+    if quantized and not (model_type == "gpt_oss" and quantized.get("quant_method") == "mxfp4"):
+        raise ValueError(f"this checkpoint's weights are quantized ({quantized.get('quant_method')!r} in "
+                         "quantization_config); convert the full-precision (bf16) release of the model, then "
+                         "quantize it with quantize.py")
     hf = {**HF_DEFAULTS.get(model_type, {}), **hf}
     n_layer, n_head = hf["num_hidden_layers"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head

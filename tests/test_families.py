@@ -182,6 +182,7 @@ def test_gptq_runs_block_by_block_with_each_layers_window(converted):
     ("rope_scaling", {"rope_type": "dynamic", "factor": 4.0}, "unsupported rope_scaling rope_type 'dynamic'"),
     ("hidden_act", "gelu", "unsupported hidden_act 'gelu'"),
     ("attention_bias", True, "unsupported attention_bias=true"),
+    ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]}, "quantized \\('fp8'"),
 ])
 def test_unsupported_field_is_refused(field, value, message):
     hf = make_hf_model("qwen3").config.to_dict()
@@ -271,6 +272,9 @@ def test_gpt_oss_mxfp4_checkpoint(tmp_path):
             state[f"{key}_blocks"], state[f"{key}_scales"] = blocks, scales
             getattr(layer.mlp.experts, name).data = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
     hf.config.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))  # as the hub's says it
     save_file(state, tmp_path / "hf" / "model.safetensors")
     model = load_model(convert_hf_checkpoint(tmp_path))
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(4))
