@@ -574,7 +574,7 @@ def use_rowwise_kernels(model: Transformer) -> None:
     if model.norm.weight.dtype not in (torch.float32, torch.bfloat16):
         return
     for module in model.modules():
-        if isinstance(module, RMSNorm) and module.weight.dtype == model.norm.weight.dtype:
+        if isinstance(module, RMSNorm) and module.weight.dtype == model.norm.weight.dtype and not module.centered:
             module.kernel = rms_norm
         elif isinstance(module, Attention):
             module.rotate = rotate

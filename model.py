@@ -3,8 +3,8 @@
 
 Plain single-device PyTorch: quantize.py swaps its linears and tp.py shards it from outside.
 Variants (GQA, q/k/v bias, tied embeddings, rope scaling, mixture of experts, q/k norms, Gemma's
-norms, GeGLU and soft-capping, Granite's multipliers, gpt-oss's sinks and biased experts, per-layer
-sliding windows and RoPE) come from `ModelArgs`, which
+norms, GeGLU and soft-capping, Granite's multipliers, gpt-oss's sinks and biased experts, Cohere's
+parallel blocks, per-layer sliding windows and RoPE) come from `ModelArgs`, which
 the converters write as config.json beside the weights; the defaults are LLaMA's.
 """
 import json
@@ -55,7 +55,10 @@ class ModelArgs:
     # Per-family pieces; the defaults are LLaMA's.
     qk_norm: Optional[str] = None  # RMSNorm of q and k: "head" per head (Qwen3, Gemma 3), "all" over the projection (OLMo 2)
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): 1.0 in Gemma
-    block_norms: str = "pre"  # "pre": x + f(norm(x)); "sandwich": x + norm(f(norm(x))) (Gemma); "post": x + norm(f(x)) (OLMo 2)
+    norm_centered: bool = False  # the norms take out the mean first: LayerNorm without a bias (Cohere)
+    # "pre": x + f(norm(x)); "sandwich": x + norm(f(norm(x))) (Gemma); "post": x + norm(f(x)) (OLMo 2);
+    # "parallel": x + attention(norm(x)) + feed_forward(norm(x)), one norm (Cohere)
+    block_norms: str = "pre"
     hidden_act: str = "silu"  # the feed-forward's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
     embedding_scale: Optional[float] = None  # embeddings times this, in the activation dtype (Gemma: sqrt(dim))
     attention_scale: Optional[float] = None  # softmax scale; None: head_dim ** -0.5
@@ -256,7 +259,7 @@ class Transformer(nn.Module):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layer))
-        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset, config.norm_centered)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -369,13 +372,18 @@ class TransformerBlock(nn.Module):
         self.feed_forward = MoEFeedForward(config) if moe else FeedForward(config)
         # Norms before and/or after each sublayer (BLOCK_NORMS); the missing ones are identities.
         pre, post = BLOCK_NORMS[config.block_norms]
-        norm = lambda on: RMSNorm(config.dim, config.norm_eps, config.norm_offset) if on else nn.Identity()
-        self.attention_norm, self.ffn_norm = norm(pre), norm(pre)
+        self.parallel = config.block_norms == "parallel"
+        norm = lambda on: (RMSNorm(config.dim, config.norm_eps, config.norm_offset, config.norm_centered) if on
+                           else nn.Identity())
+        self.attention_norm, self.ffn_norm = norm(pre), norm(pre and not self.parallel)
         self.post_attention_norm, self.post_ffn_norm = norm(post), norm(post)
         self.residual_scale = config.residual_scale
 
     def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Optional[Tensor],
                 cache_rows: Optional[Tensor] = None) -> Tensor:
+        if self.parallel:
+            h = self.attention_norm(x)
+            return x + self.attention(h, input_pos, rope, mask, cache_rows) + self.feed_forward(h)
         h = x + self.scaled(self.post_attention_norm(self.attention(self.attention_norm(x), input_pos, rope, mask,
                                                                     cache_rows)))
         return h + self.scaled(self.post_ffn_norm(self.feed_forward(self.ffn_norm(h))))
@@ -384,7 +392,8 @@ class TransformerBlock(nn.Module):
         return y if self.residual_scale is None else y * self.residual_scale
 
 
-BLOCK_NORMS = {"pre": (True, False), "sandwich": (True, True), "post": (False, True)}  # (before, after)
+BLOCK_NORMS = {"pre": (True, False), "sandwich": (True, True), "post": (False, True),  # (before, after)
+               "parallel": (True, False)}
 
 
 class Attention(nn.Module):
@@ -636,9 +645,9 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: flo
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5, offset: float = 0.0):
+    def __init__(self, dim: int, eps: float = 1e-5, offset: float = 0.0, centered: bool = False):
         super().__init__()
-        self.eps, self.offset = eps, offset
+        self.eps, self.offset, self.centered = eps, offset, centered
         self.weight = nn.Parameter(torch.ones(dim))
         # The same in one op for eager steps, attached from outside (kernels.py): f(x, weight, eps, offset).
         self.kernel: Optional[Callable] = None
@@ -649,7 +658,9 @@ class RMSNorm(nn.Module):
         # Normalise in fp32 like the reference implementations, then scale in the model dtype;
         # Gemma scales by (1 + weight) in fp32, as its checkpoints store weight - 1 to stay exact.
         xf = x.float()
+        if self.centered:  # LayerNorm without a bias (Cohere), whose weight applies in fp32 too
+            xf = xf - xf.mean(-1, keepdim=True)
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
+        if self.offset or self.centered:
             return (normed * (self.offset + self.weight.float())).type_as(x)
         return normed.type_as(x) * self.weight

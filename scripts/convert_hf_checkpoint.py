@@ -24,7 +24,8 @@ from model import ModelArgs  # noqa: E402
 from rope import ROPE_TYPES, rope_type  # noqa: E402
 
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
-             "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4", "gpt_oss", "ernie4_5", "ministral3")
+             "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4", "gpt_oss", "ernie4_5",
+             "ministral3", "cohere", "cohere2")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 
@@ -119,12 +120,16 @@ HF_DEFAULTS = {
     "glm": dict(attention_bias=True, head_dim=128),
     "glm4": dict(attention_bias=True, head_dim=128),
     "ernie4_5": dict(tie_word_embeddings=True, head_dim=128),
+    "cohere": dict(tie_word_embeddings=True, logit_scale=0.0625, layer_norm_eps=1e-5),
+    "cohere2": dict(tie_word_embeddings=True, logit_scale=0.0625, layer_norm_eps=1e-5, sliding_window=4096),
     "gpt_oss": dict(attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702),
     "granite": dict(embedding_multiplier=1.0, attention_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0),
 }
-DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0}
+DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0, "cohere": 500_000.0}
 PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5}  # transformers' defaults where a config leaves it out
-INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5")  # RoPE on pairs (0, 1), (2, 3), ...: the converter reorders q/k rows to halves
+# RoPE on pairs (0, 1), (2, 3), ...: the converter reorders q/k rows to halves
+INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "cohere", "cohere2")
+COHERE = ("cohere", "cohere2")  # one LayerNorm (no bias) before attention and feed-forward, side by side
 QKV_BIAS = ("qwen2", "seed_oss", "glm", "glm4")  # families whose attention_bias puts a bias on q/k/v only
 POST_NORMS = ("olmo2", "olmo3", "exaone4")  # x + norm(f(x))
 # HF activation name -> ModelArgs.hidden_act
@@ -172,7 +177,7 @@ def config_from_hf(hf: dict) -> ModelArgs:
     act = hf.get(act_key, "silu")
     if act not in ACTIVATIONS:
         raise ValueError(f"unsupported {act_key} {act!r}; supported: {', '.join(ACTIVATIONS)}")
-    for key in ("mlp_bias", "use_bidirectional_attention", "attention_out_bias", "use_bias") + (
+    for key in ("mlp_bias", "use_bidirectional_attention", "attention_out_bias", "use_bias", "use_qk_norm") + (
             ("attention_bias",) if model_type not in QKV_BIAS + ("gpt_oss",) else ()):
         if hf.get(key):  # (attention_bias: these families put a bias on o_proj too)
             raise ValueError(f"unsupported {key}=true in the {model_type} config.json")
@@ -193,6 +198,8 @@ def config_from_hf(hf: dict) -> ModelArgs:
         no_rope = [i for i, rope in enumerate(uses_rope) if not rope] or None
     if model_type == "exaone4" and window is not None:  # the global layers of a windowed EXAONE 4 have no RoPE
         no_rope = [i for i in range(n_layer) if i not in (window_layers or range(n_layer))] or None
+    if model_type == "cohere2":  # RoPE on the windowed layers only
+        no_rope = [i for i in range(n_layer) if window is None or i not in (window_layers or range(n_layer))] or None
     gemma, granite, gpt_oss = model_type in GEMMA, model_type == "granite", model_type == "gpt_oss"
     beta, length = query_scale_from_hf(hf)
     return ModelArgs(
@@ -206,7 +213,7 @@ def config_from_hf(hf: dict) -> ModelArgs:
         head_dim=head_dim,
         rope_base=rope_base,
         rope_scaling=rope_scaling,
-        norm_eps=hf["rms_norm_eps"],
+        norm_eps=hf["layer_norm_eps"] if model_type in COHERE else hf["rms_norm_eps"],
         attention_bias=(model_type in QKV_BIAS or gpt_oss) and bool(hf.get("attention_bias", True)),
         attention_out_bias=gpt_oss and bool(hf.get("attention_bias", True)),
         attention_sinks=gpt_oss,
@@ -225,13 +232,15 @@ def config_from_hf(hf: dict) -> ModelArgs:
         qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "exaone4": "head", "olmo2": "all",
                  "olmo3": "all"}.get(model_type),
         norm_offset=1.0 if gemma else 0.0,
-        block_norms="sandwich" if gemma or model_type == "glm4" else "post" if model_type in POST_NORMS else "pre",
+        norm_centered=model_type in COHERE,
+        block_norms=("sandwich" if gemma or model_type == "glm4" else "post" if model_type in POST_NORMS else
+                     "parallel" if model_type in COHERE else "pre"),
         hidden_act=ACTIVATIONS[act],
         embedding_scale=hf["hidden_size"] ** 0.5 if gemma else hf["embedding_multiplier"] if granite else None,
         attention_scale=(hf["query_pre_attn_scalar"] ** -0.5 if gemma else hf["attention_multiplier"] if granite
                          else None),
         residual_scale=hf["residual_multiplier"] if granite else None,
-        logit_divisor=hf["logits_scaling"] if granite else None,
+        logit_divisor=hf["logits_scaling"] if granite else 1 / hf["logit_scale"] if model_type in COHERE else None,
         attn_logit_softcap=hf.get("attn_logit_softcapping") if gemma else None,
         final_logit_softcap=hf.get("final_logit_softcapping") if gemma else None,
         sliding_window_layers=window_layers,
@@ -313,7 +322,7 @@ def sliding_window_from_hf(hf: dict, model_type: str) -> tuple:
         elif model_type == "gemma3_text":
             types = ["sliding_attention" if (i + 1) % hf["sliding_window_pattern"] else "full_attention"
                      for i in range(n)]
-        elif model_type in ("olmo3", "exaone4"):  # n - 1 local layers, then a global one
+        elif model_type in ("olmo3", "exaone4", "cohere2"):  # n - 1 local layers, then a global one
             types = ["sliding_attention" if (i + 1) % hf.get("sliding_window_pattern", 4) else "full_attention"
                      for i in range(n)]
         elif model_type == "smollm3":

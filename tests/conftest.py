@@ -86,6 +86,14 @@ FAMILIES = {
         num_key_value_heads=2, head_dim=16, rope_parameters=dict(
             rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=8, beta_fast=32.0,
             beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1))),
+    # Cohere (Command R, Aya Expanse): one LayerNorm before attention and feed-forward side by side,
+    # neighbouring-pair RoPE, scaled logits. Cohere2 (Command R7B, Command A): a window on 3 layers in 4
+    # (here 1 in 2), RoPE on those only.
+    "cohere": ("CohereForCausalLM", "CohereConfig", dict(num_key_value_heads=2, logit_scale=0.25, pad_token_id=0,
+                                                         tie_word_embeddings=True)),
+    "cohere2": ("Cohere2ForCausalLM", "Cohere2Config", dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                                                           sliding_window=8, layer_types=None, sliding_window_pattern=2,
+                                                           pad_token_id=0, tie_word_embeddings=True)),
     # Granite 3's multipliers (its 8B: 12, 1/128, 0.22, 16); untied: the tests' wide random
     # embeddings, times 12 and tied, would make greedy repeat the last token.
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(

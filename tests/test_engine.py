@@ -188,7 +188,8 @@ def test_staggered_arrivals(tiny):
         assert got[request_id] == alone(model, p, n)
 
 
-@pytest.mark.parametrize("family", ["mistral", "mixtral", "gemma2", "gemma3", "qwen3_moe", "phi3", "olmo2", "gpt_oss", "ministral3"])
+@pytest.mark.parametrize("family", ["mistral", "mixtral", "gemma2", "gemma3", "qwen3_moe", "phi3", "olmo2", "gpt_oss",
+                                    "ministral3", "cohere2"])
 def test_sliding_window_and_moe(tiny, family):
     """Windows far shorter than the prompts (on alternating layers for Gemma, with soft-capping for
     Gemma 2), experts, q/k norms, fused projections, gpt-oss's sinks and biased experts through the engine."""

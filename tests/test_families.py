@@ -17,7 +17,8 @@ from load import load_model
 from scripts.convert_hf_checkpoint import config_from_hf
 
 NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3", "olmo2", "olmo3",
-                "exaone4", "seed_oss", "glm4", "glm", "gpt_oss", "ernie4_5", "ministral3", "granite"]
+                "exaone4", "seed_oss", "glm4", "glm", "gpt_oss", "ernie4_5", "ministral3", "cohere",
+                "cohere2", "granite"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -103,6 +104,9 @@ EXPECTED_CONFIG = {
                     swiglu_limit=7.0, swiglu_alpha=1.702, sliding_window_layers=[0], moe_intermediate_size=48),
     "ernie4_5": dict(tie_embeddings=True, rope_base=500000.0, head_dim=16),
     "ministral3": dict(query_scale_beta=0.1, query_scale_length=8),
+    "cohere": dict(block_norms="parallel", norm_centered=True, logit_divisor=4.0, no_rope_layers=None),
+    "cohere2": dict(block_norms="parallel", norm_centered=True, logit_divisor=16.0, sliding_window=8,
+                    sliding_window_layers=[0, 2], no_rope_layers=[1, 3]),
     "granite": dict(embedding_scale=12.0, attention_scale=1 / 16, residual_scale=0.22, logit_divisor=4.0),
 }
 
@@ -237,12 +241,18 @@ def test_yarn_in_the_hubs_form():
     assert (config.rope_base, config.rope_local_base, config.rope_scaling["factor"]) == (5e5, 5e5, 8.0)
 
 
-def test_gpt_oss_packed_for_the_cpu(tmp_path):
-    """gpt-oss packed for kernels.cpp (its biased o_proj on the packed products; its attention, with
-    sinks, stays model.py's): a prompt's logits and 24 greedy tokens a step at a time, as transformers'."""
-    hf = make_hf_model("gpt_oss", seed=9)
+@pytest.mark.parametrize("family", ["gpt_oss", "cohere2"])
+def test_packed_for_the_cpu_matches_transformers(family, tmp_path):
+    """Packed for kernels.cpp, what its kernels do not do stays model.py's: gpt-oss's attention with
+    sinks (its biased o_proj on the packed products), Cohere's LayerNorms (rowwise.cpp's norm does not
+    take out the mean). A prompt's logits and 24 greedy tokens a step at a time, as transformers'."""
+    from model import RMSNorm
+    hf = make_hf_model(family, seed=9)
     model = kernels.pack_for_cpu(load_model(save_and_convert(hf, tmp_path)))
-    assert all(layer.attention.attend_cache is None for layer in model.layers)
+    if family == "gpt_oss":
+        assert all(layer.attention.attend_cache is None for layer in model.layers)
+    else:
+        assert all(m.kernel is None for m in model.modules() if isinstance(m, RMSNorm))
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
     model.setup_caches(max_batch_size=1, max_seq_length=64)
     with torch.no_grad():

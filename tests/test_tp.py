@@ -72,6 +72,8 @@ def checkpoints(tmp_path_factory):
         "qwen3_moe": save_and_convert(make_hf_model("qwen3_moe"), root / "qwen3_moe"),
         # Sinks per query head, o_proj's bias and the down projections' added once, biased experts.
         "gpt_oss": save_and_convert(make_hf_model("gpt_oss"), root / "gpt_oss"),
+        # Attention and feed-forward side by side on one LayerNorm, each all-reduced.
+        "cohere2": save_and_convert(make_hf_model("cohere2"), root / "cohere2"),
     }
     paths["qwen2_int8"] = quantize.quantize_checkpoint(paths["qwen2"], "int8")
     paths["llama_odd_vocab_int4"] = quantize.quantize_checkpoint(paths["llama_odd_vocab"], "int4", 32)
@@ -93,7 +95,7 @@ def tp_results(checkpoints, tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["qwen2", "llama_odd_vocab", "moe", "olmo2", "qwen3_moe", "qwen2_int8:dequant",
                                   "llama_odd_vocab_int4:dequant", "moe_int8:dequant", "moe_int4:dequant",
-                                  "qwen3_moe_int8:dequant", "gpt_oss", "gpt_oss_int8:dequant"])
+                                  "qwen3_moe_int8:dequant", "gpt_oss", "gpt_oss_int8:dequant", "cohere2"])
 def test_tp_matches_single_process(name, checkpoints, tp_results):
     """Sharded == whole to fp32 precision (quantized layers on the fp32 dequantize path)."""
     name, _, variant = name.partition(":")
