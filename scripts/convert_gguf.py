@@ -27,7 +27,7 @@ from rope import rope_frequencies  # noqa: E402
 from scripts.convert_hf_checkpoint import check_against_model, rope_halves, split_gate_up  # noqa: E402
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "olmo2", "exaone4",
-                           "seed_oss", "glm4", "ernie4_5", "granite")
+                           "seed_oss", "glm4", "ernie4_5", "granite", "gpt-oss")
 INTERLEAVED_ROPE = ("glm4", "ernie4_5")  # HF's layout kept: RoPE on neighbouring pairs (llama.cpp's "norm" rope type)
 POST_NORMS = ("olmo2", "exaone4")  # x + norm(f(x)); OLMo 3 is architecture olmo2 with a window
 PERMUTED = ("llama", "granite")  # llama.cpp's converter interleaves these architectures' q/k rows
@@ -61,12 +61,19 @@ WEIGHT_MAP = {
     "blk.{}.post_attention_norm.weight": "layers.{}.post_attention_norm.weight",  # Gemma 2/3, OLMo 2
     "blk.{}.post_ffw_norm.weight": "layers.{}.post_ffn_norm.weight",
     "blk.{}.attn_qkv.weight": "layers.{}.attention.wqkv.weight",  # Phi-3: q, k, v fused in our order
+    "blk.{}.attn_output.bias": "layers.{}.attention.wo.bias",  # gpt-oss
+    "blk.{}.attn_sinks.weight": "layers.{}.attention.sinks",
+    "blk.{}.ffn_gate_inp.bias": "layers.{}.feed_forward.gate.bias",
+    "blk.{}.ffn_gate_exps.bias": "layers.{}.feed_forward.w1_bias",
+    "blk.{}.ffn_up_exps.bias": "layers.{}.feed_forward.w3_bias",
+    "blk.{}.ffn_down_exps.bias": "layers.{}.feed_forward.w2_bias",
 }
-# Phi-3 and GLM-4 keep gate and up fused in ffn_up as [2I, D]; llama.cpp names Seed-OSS's pre-feed-forward norm
-# after its HF name (post_attention_layernorm).
+# Phi-3 and GLM-4 keep gate and up fused in ffn_up as [2I, D]; llama.cpp names Seed-OSS's and gpt-oss's
+# pre-feed-forward norm after its HF name (post_attention_layernorm).
 ARCH_WEIGHT_MAP = {"phi3": {"blk.{}.ffn_up.weight": "layers.{}.feed_forward.w13.weight"},
                    "glm4": {"blk.{}.ffn_up.weight": "layers.{}.feed_forward.w13.weight"},
-                   "seed_oss": {"blk.{}.post_attention_norm.weight": "layers.{}.ffn_norm.weight"}}
+                   "seed_oss": {"blk.{}.post_attention_norm.weight": "layers.{}.ffn_norm.weight"},
+                   "gpt-oss": {"blk.{}.post_attention_norm.weight": "layers.{}.ffn_norm.weight"}}
 ROPE_FREQS = "rope_freqs.weight"  # LLaMA 3.1+ stores its rope scaling as per-frequency divisors
 YARN_FIELDS = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow", "attention_factor": "yarn_attn_factor"}
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
@@ -164,7 +171,9 @@ def config_from_gguf(reader) -> ModelArgs:
     elif arch == "olmo2" and window and (rope_scaling or field(reader, f"{arch}.rope.freq_base_swa")):
         # OLMo 3: the windowed layers keep plain RoPE where the global ones are scaled (llama.cpp does the same)
         rope_local_base = float(field(reader, f"{arch}.rope.freq_base_swa", rope_base))
-    gemma = arch in GEMMA
+    gemma, gpt_oss = arch in GEMMA, arch == "gpt-oss"
+    if gpt_oss and rope_scaling:  # its YaRN ramp is not rounded to whole dimensions (its HF config's truncate: false)
+        rope_scaling["truncate"] = False
     return ModelArgs(
         block_size=get("context_length"),
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ggml shapes are [cols, rows]
@@ -178,6 +187,12 @@ def config_from_gguf(reader) -> ModelArgs:
         rope_scaling=rope_scaling,
         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         attention_bias="blk.0.attn_q.bias" in tensors,
+        attention_out_bias="blk.0.attn_output.bias" in tensors,
+        attention_sinks="blk.0.attn_sinks.weight" in tensors,
+        moe_bias="blk.0.ffn_gate_inp.bias" in tensors,
+        # gpt-oss's clamped SwiGLU: llama.cpp's constants, which the file does not store
+        swiglu_limit=7.0 if gpt_oss else None,
+        swiglu_alpha=1.702 if gpt_oss else None,
         tie_embeddings="output.weight" not in tensors,
         sliding_window=window or None,
         num_experts=experts,
@@ -216,10 +231,10 @@ def gemma_attention_scale(arch: str, n_layer: int, dim: int, n_head: int, head_d
 
 def sliding_layers(reader, arch: str, n_layer: int):
     """Layers with the sliding window: llama.cpp's pattern of n is n - 1 local layers, then a global
-    one (Gemma 2: 2, Gemma 3: 6, OLMo 3 and EXAONE 4: 4, unless the file lists them); other architectures
+    one (Gemma 2 and gpt-oss: 2, Gemma 3: 6, OLMo 3 and EXAONE 4: 4, unless the file lists them); others
     window every layer."""
     pattern = field(reader, f"{arch}.attention.sliding_window_pattern",
-                    {"gemma2": 2, "gemma3": 6, "olmo2": 4, "exaone4": 4}.get(arch))
+                    {"gemma2": 2, "gemma3": 6, "olmo2": 4, "exaone4": 4, "gpt-oss": 2}.get(arch))
     if pattern is None:
         return None
     if isinstance(pattern, list):  # one flag per layer

@@ -178,6 +178,33 @@ def set_chat_template(checkpoint_dir: Path, template: str):
     (checkpoint_dir / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=template)))
 
 
+def save_gpt_oss_mxfp4(hf_dir: Path, **overrides):
+    """A tiny gpt-oss checkpoint as the hub's are: experts in MXFP4 blocks and scales (random bytes),
+    quantization_config saying so. Returns transformers' model holding transformers' own
+    dequantization of those bytes."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    hf = make_hf_model("gpt_oss", seed=2, intermediate_size=64, **overrides)  # MXFP4 blocks are 32 values
+    E, D, I = hf.config.num_local_experts, hf.config.hidden_size, hf.config.intermediate_size
+    g = torch.Generator().manual_seed(0)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    for i, layer in enumerate(hf.model.layers):
+        for name, rows, cols in (("gate_up_proj", 2 * I, D), ("down_proj", D, I)):
+            blocks = torch.randint(0, 256, (E, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+            scales = torch.randint(121, 126, (E, rows, cols // 32), generator=g, dtype=torch.uint8)
+            key = f"model.layers.{i}.mlp.experts.{name}"
+            del state[key]
+            state[f"{key}_blocks"], state[f"{key}_scales"] = blocks, scales
+            getattr(layer.mlp.experts, name).data = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    hf.config.save_pretrained(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    config["architectures"] = ["GptOssForCausalLM"]
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    save_file(state, hf_dir / "model.safetensors")
+    return hf
+
+
 def save_and_convert(hf_model, root: Path, max_shard_size=None) -> Path:
     """save_pretrained into root/hf, convert into root; returns root/model.pth."""
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

@@ -11,7 +11,7 @@ import torch
 
 import kernels
 import quantize
-from conftest import FAMILIES, make_hf_model, save_and_convert
+from conftest import FAMILIES, make_hf_model, save_and_convert, save_gpt_oss_mxfp4
 from decode import generate
 from load import load_model
 from scripts.convert_hf_checkpoint import config_from_hf
@@ -266,26 +266,8 @@ def test_packed_for_the_cpu_matches_transformers(family, tmp_path):
 def test_gpt_oss_mxfp4_checkpoint(tmp_path):
     """The hub's gpt-oss checkpoints keep the experts as MXFP4 blocks and scales: converted, they give
     the logits of transformers' model holding transformers' own dequantization of the same bytes."""
-    from safetensors.torch import save_file
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     from scripts.convert_hf_checkpoint import convert_hf_checkpoint
-    hf = make_hf_model("gpt_oss", seed=2, intermediate_size=64)  # MXFP4 blocks are 32 values
-    E, D, I = 4, 64, 64
-    g = torch.Generator().manual_seed(0)
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    for i, layer in enumerate(hf.model.layers):
-        for name, rows, cols in (("gate_up_proj", 2 * I, D), ("down_proj", D, I)):
-            blocks = torch.randint(0, 256, (E, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
-            scales = torch.randint(121, 126, (E, rows, cols // 32), generator=g, dtype=torch.uint8)
-            key = f"model.layers.{i}.mlp.experts.{name}"
-            del state[key]
-            state[f"{key}_blocks"], state[f"{key}_scales"] = blocks, scales
-            getattr(layer.mlp.experts, name).data = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-    hf.config.save_pretrained(tmp_path / "hf")
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))  # as the hub's says it
-    save_file(state, tmp_path / "hf" / "model.safetensors")
+    hf = save_gpt_oss_mxfp4(tmp_path / "hf")
     model = load_model(convert_hf_checkpoint(tmp_path))
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_hf_model, save_and_convert
+from conftest import make_hf_model, save_and_convert, save_gpt_oss_mxfp4
 from decode import generate
 from load import load_model
 from model import ModelArgs, Transformer
@@ -38,6 +38,12 @@ GGUF_NAMES = {
     "layers.{}.attention.k_norm.weight": "blk.{}.attn_k_norm.weight",
     "layers.{}.post_attention_norm.weight": "blk.{}.post_attention_norm.weight",
     "layers.{}.post_ffn_norm.weight": "blk.{}.post_ffw_norm.weight",
+    "layers.{}.attention.wo.bias": "blk.{}.attn_output.bias",
+    "layers.{}.attention.sinks": "blk.{}.attn_sinks.weight",
+    "layers.{}.feed_forward.gate.bias": "blk.{}.ffn_gate_inp.bias",
+    "layers.{}.feed_forward.w1_bias": "blk.{}.ffn_gate_exps.bias",
+    "layers.{}.feed_forward.w3_bias": "blk.{}.ffn_up_exps.bias",
+    "layers.{}.feed_forward.w2_bias": "blk.{}.ffn_down_exps.bias",
 }
 
 
@@ -91,7 +97,7 @@ def write_gguf(path, state: dict, c: ModelArgs, qtype=T.F32, arch="llama", vocab
     if c.num_experts:
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.num_activated_experts)
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "gpt-oss"):
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
         w.add_expert_weights_norm(c.norm_topk_prob)
     if c.sliding_window:
@@ -151,7 +157,7 @@ def write_gguf(path, state: dict, c: ModelArgs, qtype=T.F32, arch="llama", vocab
                 tensors[f"blk.{i}.attn_{x}.{name.rpartition('.')[2]}"] = part
         elif arch in ("phi3", "glm4") and name.endswith("w1.weight"):
             tensors[f"blk.{i}.ffn_up.weight"] = torch.cat([t, state[name.replace("w1.", "w3.")]])
-        elif arch == "seed_oss" and name.endswith("ffn_norm.weight"):
+        elif arch in ("seed_oss", "gpt-oss") and name.endswith("ffn_norm.weight"):
             tensors[f"blk.{i}.post_attention_norm.weight"] = t
         elif not (arch in ("phi3", "glm4") and name.endswith("w3.weight")):
             pattern = name.replace(f".{i}.", ".{}.") if i is not None else name
@@ -259,6 +265,7 @@ FAMILY_ROUND_TRIPS = {
     "seed_oss": ("seed_oss", "seed_oss", {}),
     "glm4": ("glm4", "glm4", {}),
     "ernie4_5": ("ernie4_5", "ernie4_5", {}),
+    "gpt_oss": ("gpt-oss", "gpt_oss", {}),
     "qwen3_yarn": ("qwen3", "qwen3", dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, beta_fast=16.0))),
     "qwen3_yarn_attention_factor": ("qwen3", "qwen3", dict(rope_parameters=dict(
@@ -293,6 +300,8 @@ LLAMA_CPP_CONVERTED = {
     "seed_oss": ("seed_oss", {}),
     "granite": ("granite", {}),
     "glm4": ("glm4", {}),
+    "gpt_oss": ("gpt_oss", {}),
+    "gpt_oss_mxfp4": ("gpt_oss", None),  # the hub's MXFP4 experts, which llama.cpp keeps in its MXFP4 type
 }
 
 
@@ -310,8 +319,11 @@ def test_llama_cpp_converter_output_matches_transformers(case, default_model, tm
     # Its converter knows SmolLM2's tokenizer; GLM-4's wants <|user|> among the special tokens.
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_model.parent)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|user|>"]})
-    hf = make_hf_model(family, seed=5, vocab_size=len(tokenizer), **overrides)
-    hf.save_pretrained(tmp_path / "hf")
+    if overrides is None:
+        hf = save_gpt_oss_mxfp4(tmp_path / "hf", vocab_size=len(tokenizer))
+    else:
+        hf = make_hf_model(family, seed=5, vocab_size=len(tokenizer), **overrides)
+        hf.save_pretrained(tmp_path / "hf")
     tokenizer.save_pretrained(tmp_path / "hf")
     subprocess.run([sys.executable, str(script), str(tmp_path / "hf"), "--outfile", str(tmp_path / "model.gguf"),
                     "--outtype", "f32"], check=True, capture_output=True)
