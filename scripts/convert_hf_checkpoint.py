@@ -25,7 +25,7 @@ from rope import ROPE_TYPES, rope_type  # noqa: E402
 
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
              "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4", "gpt_oss", "ernie4_5",
-             "ministral3", "cohere", "cohere2")
+             "ministral3", "cohere", "cohere2", "olmoe", "granitemoe")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 
@@ -88,6 +88,10 @@ FAMILY_WEIGHT_MAP = {
                 **{f"model.layers.{{}}.mlp.experts.{hf}{suffix}": f"layers.{{}}.feed_forward.{ours}{suffix}"
                    for hf, ours in (("gate_up_proj", "w13"), ("down_proj", "w2")) for suffix in
                    ("", "_bias", "_blocks", "_scales")}},
+    # Granite 3's MoE: gate and up stacked per expert as [E, 2I, D], down as [E, D, I].
+    "granitemoe": {"model.layers.{}.block_sparse_moe.input_linear.weight": "layers.{}.feed_forward.w13",
+                   "model.layers.{}.block_sparse_moe.output_linear.weight": "layers.{}.feed_forward.w2",
+                   "model.layers.{}.block_sparse_moe.router.layer.weight": "layers.{}.feed_forward.gate.weight"},
     # GLM-4: norms after each sublayer too, named its own way.
     "glm4": {"model.layers.{}.post_self_attn_layernorm.weight": "layers.{}.post_attention_norm.weight",
              "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
@@ -124,6 +128,7 @@ HF_DEFAULTS = {
     "cohere2": dict(tie_word_embeddings=True, logit_scale=0.0625, layer_norm_eps=1e-5, sliding_window=4096),
     "gpt_oss": dict(attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702),
     "granite": dict(embedding_multiplier=1.0, attention_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0),
+    "granitemoe": dict(embedding_multiplier=1.0, attention_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0),
 }
 DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0, "cohere": 500_000.0}
 PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5}  # transformers' defaults where a config leaves it out
@@ -177,16 +182,17 @@ def config_from_hf(hf: dict) -> ModelArgs:
     act = hf.get(act_key, "silu")
     if act not in ACTIVATIONS:
         raise ValueError(f"unsupported {act_key} {act!r}; supported: {', '.join(ACTIVATIONS)}")
-    for key in ("mlp_bias", "use_bidirectional_attention", "attention_out_bias", "use_bias", "use_qk_norm") + (
+    for key in ("mlp_bias", "use_bidirectional_attention", "attention_out_bias", "use_bias", "use_qk_norm",
+                "clip_qkv") + (
             ("attention_bias",) if model_type not in QKV_BIAS + ("gpt_oss",) else ()):
         if hf.get(key):  # (attention_bias: these families put a bias on o_proj too)
-            raise ValueError(f"unsupported {key}=true in the {model_type} config.json")
+            raise ValueError(f"unsupported {key}={json.dumps(hf[key])} in the {model_type} config.json")
     if model_type == "qwen3_moe" and hf.get("shared_expert_intermediate_size"):
         raise ValueError("unsupported shared_expert_intermediate_size: brisk's Qwen3-MoE has no shared expert")
     window, window_layers = sliding_window_from_hf(hf, model_type)
     # Qwen3-MoE's hub configs say num_experts, transformers 5 writes num_local_experts as Mixtral's do.
     experts = (hf.get("num_experts") or hf.get("num_local_experts", 0)
-               if model_type in ("mixtral", "qwen3_moe", "gpt_oss") else 0)
+               if model_type in ("mixtral", "qwen3_moe", "gpt_oss", "olmoe", "granitemoe") else 0)
     dense = None
     if model_type == "qwen3_moe":
         dense = [i for i in range(n_layer) if i in (hf.get("mlp_only_layers") or [])
@@ -200,7 +206,7 @@ def config_from_hf(hf: dict) -> ModelArgs:
         no_rope = [i for i in range(n_layer) if i not in (window_layers or range(n_layer))] or None
     if model_type == "cohere2":  # RoPE on the windowed layers only
         no_rope = [i for i in range(n_layer) if window is None or i not in (window_layers or range(n_layer))] or None
-    gemma, granite, gpt_oss = model_type in GEMMA, model_type == "granite", model_type == "gpt_oss"
+    gemma, granite, gpt_oss = model_type in GEMMA, model_type in ("granite", "granitemoe"), model_type == "gpt_oss"
     beta, length = query_scale_from_hf(hf)
     return ModelArgs(
         block_size=hf["max_position_embeddings"],
@@ -230,7 +236,7 @@ def config_from_hf(hf: dict) -> ModelArgs:
         norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
         dense_layers=dense,
         qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "exaone4": "head", "olmo2": "all",
-                 "olmo3": "all"}.get(model_type),
+                 "olmo3": "all", "olmoe": "all"}.get(model_type),
         norm_offset=1.0 if gemma else 0.0,
         norm_centered=model_type in COHERE,
         block_norms=("sandwich" if gemma or model_type == "glm4" else "post" if model_type in POST_NORMS else

@@ -94,6 +94,13 @@ FAMILIES = {
     "cohere2": ("Cohere2ForCausalLM", "Cohere2Config", dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
                                                            sliding_window=8, layer_types=None, sliding_window_pattern=2,
                                                            pad_token_id=0, tie_word_embeddings=True)),
+    # OLMoE: routed experts (top-k unnormalised) behind OLMo's q/k norms over the whole projection.
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                                      intermediate_size=48, eos_token_id=0, pad_token_id=0)),
+    # Granite 3 MoE: Granite's multipliers around experts stacked as [E, 2I, D].
+    "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig", dict(
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+        embedding_multiplier=12.0, attention_multiplier=1 / 16, residual_multiplier=0.22, logits_scaling=4.0)),
     # Granite 3's multipliers (its 8B: 12, 1/128, 0.22, 16); untied: the tests' wide random
     # embeddings, times 12 and tied, would make greedy repeat the last token.
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(

@@ -18,7 +18,7 @@ from scripts.convert_hf_checkpoint import config_from_hf
 
 NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3", "olmo2", "olmo3",
                 "exaone4", "seed_oss", "glm4", "glm", "gpt_oss", "ernie4_5", "ministral3", "cohere",
-                "cohere2", "granite"]
+                "cohere2", "olmoe", "granitemoe", "granite"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -107,6 +107,8 @@ EXPECTED_CONFIG = {
     "cohere": dict(block_norms="parallel", norm_centered=True, logit_divisor=4.0, no_rope_layers=None),
     "cohere2": dict(block_norms="parallel", norm_centered=True, logit_divisor=16.0, sliding_window=8,
                     sliding_window_layers=[0, 2], no_rope_layers=[1, 3]),
+    "olmoe": dict(qk_norm="all", block_norms="pre", num_experts=4, norm_topk_prob=False, moe_intermediate_size=48),
+    "granitemoe": dict(num_experts=4, norm_topk_prob=True, residual_scale=0.22, logit_divisor=4.0),
     "granite": dict(embedding_scale=12.0, attention_scale=1 / 16, residual_scale=0.22, logit_divisor=4.0),
 }
 
@@ -187,6 +189,7 @@ def test_gptq_runs_block_by_block_with_each_layers_window(converted):
     ("hidden_act", "gelu", "unsupported hidden_act 'gelu'"),
     ("attention_bias", True, "unsupported attention_bias=true"),
     ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]}, "quantized \\('fp8'"),
+    ("clip_qkv", 8.0, "unsupported clip_qkv=8.0"),
 ])
 def test_unsupported_field_is_refused(field, value, message):
     hf = make_hf_model("qwen3").config.to_dict()
