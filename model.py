@@ -9,7 +9,7 @@ the converters write as config.json beside the weights; the defaults are LLaMA's
 """
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -49,6 +49,8 @@ class ModelArgs:
     norm_topk_prob: bool = True  # renormalise the top-k router probabilities (Mixtral; a Qwen3-MoE option)
     dense_layers: Optional[list] = None  # layers that keep the dense feed-forward in a MoE model (Qwen3-MoE)
     moe_bias: bool = False  # the router and each expert's projections carry biases (gpt-oss)
+    shared_expert_size: Optional[int] = None  # a dense feed-forward of this size every token runs too (Qwen2-MoE)
+    shared_expert_gate: bool = False  # its output times sigmoid of a learned projection of the input (Qwen2-MoE)
     # gpt-oss's experts: gate <= limit and |up| <= limit, then (up + 1) * gate * sigmoid(swiglu_alpha * gate)
     swiglu_limit: Optional[float] = None
     swiglu_alpha: Optional[float] = None
@@ -505,7 +507,8 @@ class FeedForward(nn.Module):
 
 
 class MoEFeedForward(nn.Module):
-    """Sparse feed-forward (Mixtral, Qwen3-MoE): each token runs its top-k experts, weighted by the router.
+    """Sparse feed-forward (Mixtral, Qwen3-MoE): each token runs its top-k experts, weighted by the
+    router, and where the config has one a shared expert (Qwen2-MoE).
 
     Subclasses (quantize's int8 / int4 experts) change how experts are stored and applied:
     `make_experts`, `expert`, `expert_weights`, and `gathers` (whether a compiled decode step can
@@ -527,6 +530,9 @@ class MoEFeedForward(nn.Module):
         self.w1_bias = nn.Parameter(torch.empty(E, I)) if biased else None
         self.w3_bias = nn.Parameter(torch.empty(E, I)) if biased else None
         self.w2_bias = nn.Parameter(torch.empty(E, D)) if biased else None
+        shared = config.shared_expert_size
+        self.shared_expert = FeedForward(replace(config, intermediate_size=shared)) if shared else None
+        self.shared_gate = nn.Linear(D, 1, bias=False) if config.shared_expert_gate else None
 
     def make_experts(self, E: int, D: int, I: int):
         # Experts stacked so a token gathers only its selected experts' weights.
@@ -566,6 +572,13 @@ class MoEFeedForward(nn.Module):
         return self.w1[experts], self.w3[experts], self.w2[experts]
 
     def forward(self, x: Tensor) -> Tensor:
+        out = self.routed(x)
+        if self.shared_expert is None:
+            return out
+        shared = self.shared_expert(x)
+        return out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * shared)
+
+    def routed(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, D)
         weights, experts = self.route(x)

@@ -64,7 +64,8 @@ def quantize_state_dict(state_dict: dict, config: ModelArgs, mode: str, groupsiz
     with torch.device("meta"):
         model = Transformer(config)
     weights = dict(with_tied_output(state_dict, config))  # the output projection is quantized apart: untied
-    routers = {f"{n}.gate" for n, m in model.named_modules() if isinstance(m, MoEFeedForward)}
+    routers = {f"{n}.{gate}" for n, m in model.named_modules() if isinstance(m, MoEFeedForward)
+               for gate in ("gate", "shared_gate") if getattr(m, gate) is not None}
     todo = [(n, m) for n, m in model.named_modules()
             if isinstance(m, (nn.Linear, nn.Embedding, MoEFeedForward)) and n not in routers]
     out, layers = {}, {name: {"kind": "none", "reason": ROUTER_NOTE} for name in sorted(routers)}

@@ -41,6 +41,8 @@ def check_divisible(config, world_size: int):
         sizes["intermediate_size"] = config.intermediate_size
     if config.num_experts:
         sizes["moe_intermediate_size (of each expert)"] = config.moe_intermediate_size
+    if config.shared_expert_size:
+        sizes["shared_expert_size"] = config.shared_expert_size
     for name, size in sizes.items():
         if size % world_size:
             common = math.gcd(*sizes.values())
@@ -76,6 +78,10 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
         ff = layer.feed_forward
         if isinstance(ff, MoEFeedForward):
             _shard_experts(ff, **shard)  # the router (ff.gate) stays whole: every rank picks the same experts
+            if ff.shared_expert is not None:  # split as a dense feed-forward; its gate (one output) stays whole
+                _shard_linear(ff.shared_expert.w1, "out", **shard)
+                _shard_linear(ff.shared_expert.w3, "out", **shard)
+                _shard_linear(ff.shared_expert.w2, "in", **shard)
         else:
             _shard_linear(ff.w1, "out", **shard)
             _shard_linear(ff.w3, "out", **shard)

@@ -25,7 +25,7 @@ from rope import ROPE_TYPES, rope_type  # noqa: E402
 
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
              "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4", "gpt_oss", "ernie4_5",
-             "ministral3", "cohere", "cohere2", "olmoe", "granitemoe")
+             "ministral3", "cohere", "cohere2", "olmoe", "granitemoe", "qwen2_moe")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 
@@ -46,6 +46,11 @@ WEIGHT_MAP = {
     "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
     "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
     "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
+    # Qwen2-MoE's shared expert and its gate.
+    "model.layers.{}.mlp.shared_expert.gate_proj.weight": "layers.{}.feed_forward.shared_expert.w1.weight",
+    "model.layers.{}.mlp.shared_expert.up_proj.weight": "layers.{}.feed_forward.shared_expert.w3.weight",
+    "model.layers.{}.mlp.shared_expert.down_proj.weight": "layers.{}.feed_forward.shared_expert.w2.weight",
+    "model.layers.{}.mlp.shared_expert_gate.weight": "layers.{}.feed_forward.shared_gate.weight",
     "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
     "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
     # Mixtral, hub layout: one tensor per expert, stacked into [E, ...] afterwards.
@@ -118,6 +123,7 @@ HF_DEFAULTS = {
     "qwen2": dict(max_window_layers=28),
     "qwen3": dict(max_window_layers=28),
     "qwen3_moe": dict(max_window_layers=28, norm_topk_prob=False, decoder_sparse_step=1),
+    "qwen2_moe": dict(max_window_layers=28, norm_topk_prob=False, decoder_sparse_step=1, qkv_bias=True),
     "olmo3": dict(sliding_window=4096),
     "exaone4": dict(sliding_window=4096, sliding_window_pattern=4),
     "seed_oss": dict(attention_bias=True),
@@ -135,7 +141,7 @@ PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5}  # transformers' defaults where a con
 # RoPE on pairs (0, 1), (2, 3), ...: the converter reorders q/k rows to halves
 INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "cohere", "cohere2")
 COHERE = ("cohere", "cohere2")  # one LayerNorm (no bias) before attention and feed-forward, side by side
-QKV_BIAS = ("qwen2", "seed_oss", "glm", "glm4")  # families whose attention_bias puts a bias on q/k/v only
+QKV_BIAS = ("qwen2", "qwen2_moe", "seed_oss", "glm", "glm4")  # families whose attention_bias puts a bias on q/k/v only
 POST_NORMS = ("olmo2", "olmo3", "exaone4")  # x + norm(f(x))
 # HF activation name -> ModelArgs.hidden_act
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -187,14 +193,12 @@ def config_from_hf(hf: dict) -> ModelArgs:
             ("attention_bias",) if model_type not in QKV_BIAS + ("gpt_oss",) else ()):
         if hf.get(key):  # (attention_bias: these families put a bias on o_proj too)
             raise ValueError(f"unsupported {key}={json.dumps(hf[key])} in the {model_type} config.json")
-    if model_type == "qwen3_moe" and hf.get("shared_expert_intermediate_size"):
-        raise ValueError("unsupported shared_expert_intermediate_size: brisk's Qwen3-MoE has no shared expert")
     window, window_layers = sliding_window_from_hf(hf, model_type)
     # Qwen3-MoE's hub configs say num_experts, transformers 5 writes num_local_experts as Mixtral's do.
     experts = (hf.get("num_experts") or hf.get("num_local_experts", 0)
-               if model_type in ("mixtral", "qwen3_moe", "gpt_oss", "olmoe", "granitemoe") else 0)
+               if model_type in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "granitemoe") else 0)
     dense = None
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen3_moe", "qwen2_moe"):
         dense = [i for i in range(n_layer) if i in (hf.get("mlp_only_layers") or [])
                  or (i + 1) % hf["decoder_sparse_step"]] or None
     no_rope = None
@@ -220,7 +224,8 @@ def config_from_hf(hf: dict) -> ModelArgs:
         rope_base=rope_base,
         rope_scaling=rope_scaling,
         norm_eps=hf["layer_norm_eps"] if model_type in COHERE else hf["rms_norm_eps"],
-        attention_bias=(model_type in QKV_BIAS or gpt_oss) and bool(hf.get("attention_bias", True)),
+        attention_bias=(model_type in QKV_BIAS or gpt_oss) and bool(
+            hf.get("qkv_bias" if model_type == "qwen2_moe" else "attention_bias", True)),
         attention_out_bias=gpt_oss and bool(hf.get("attention_bias", True)),
         attention_sinks=gpt_oss,
         query_scale_beta=beta,
@@ -232,7 +237,9 @@ def config_from_hf(hf: dict) -> ModelArgs:
         sliding_window=window,
         num_experts=experts,
         num_activated_experts=hf.get("num_experts_per_tok", 2),
-        moe_intermediate_size=hf.get("moe_intermediate_size") if model_type == "qwen3_moe" else None,
+        moe_intermediate_size=hf.get("moe_intermediate_size") if model_type in ("qwen3_moe", "qwen2_moe") else None,
+        shared_expert_size=hf.get("shared_expert_intermediate_size") or None if model_type == "qwen2_moe" else None,
+        shared_expert_gate=model_type == "qwen2_moe" and bool(hf.get("shared_expert_intermediate_size")),
         norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
         dense_layers=dense,
         qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "exaone4": "head", "olmo2": "all",
@@ -317,7 +324,8 @@ def sliding_window_from_hf(hf: dict, model_type: str) -> tuple:
     transformers lists the layer types in config.json; where a hub config predates that, the
     family's rule as transformers applies it."""
     window, n = hf.get("sliding_window"), hf["num_hidden_layers"]
-    if model_type in ("qwen2", "qwen3", "qwen3_moe", "smollm3") and not hf.get("use_sliding_window", False):
+    qwen = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")
+    if model_type in qwen and not hf.get("use_sliding_window", False):
         window = None
     if window is None or model_type in ("mistral", "mixtral", "phi3", "ministral3"):
         return window, None

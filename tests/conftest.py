@@ -94,6 +94,11 @@ FAMILIES = {
     "cohere2": ("Cohere2ForCausalLM", "Cohere2Config", dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
                                                            sliding_window=8, layer_types=None, sliding_window_pattern=2,
                                                            pad_token_id=0, tie_word_embeddings=True)),
+    # Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): routed experts of their own size beside a gated shared
+    # expert, q/k/v bias, a dense layer between sparse ones.
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
+        num_hidden_layers=3, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, mlp_only_layers=[1])),
     # OLMoE: routed experts (top-k unnormalised) behind OLMo's q/k norms over the whole projection.
     "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                                       intermediate_size=48, eos_token_id=0, pad_token_id=0)),

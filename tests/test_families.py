@@ -18,7 +18,7 @@ from scripts.convert_hf_checkpoint import config_from_hf
 
 NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3", "olmo2", "olmo3",
                 "exaone4", "seed_oss", "glm4", "glm", "gpt_oss", "ernie4_5", "ministral3", "cohere",
-                "cohere2", "olmoe", "granitemoe", "granite"]
+                "cohere2", "olmoe", "granitemoe", "qwen2_moe", "granite"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -109,6 +109,8 @@ EXPECTED_CONFIG = {
                     sliding_window_layers=[0, 2], no_rope_layers=[1, 3]),
     "olmoe": dict(qk_norm="all", block_norms="pre", num_experts=4, norm_topk_prob=False, moe_intermediate_size=48),
     "granitemoe": dict(num_experts=4, norm_topk_prob=True, residual_scale=0.22, logit_divisor=4.0),
+    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=32, shared_expert_size=48, shared_expert_gate=True,
+                      dense_layers=[1], attention_bias=True),
     "granite": dict(embedding_scale=12.0, attention_scale=1 / 16, residual_scale=0.22, logit_divisor=4.0),
 }
 
@@ -244,17 +246,18 @@ def test_yarn_in_the_hubs_form():
     assert (config.rope_base, config.rope_local_base, config.rope_scaling["factor"]) == (5e5, 5e5, 8.0)
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "cohere2"])
+@pytest.mark.parametrize("family", ["gpt_oss", "cohere2", "qwen2_moe"])
 def test_packed_for_the_cpu_matches_transformers(family, tmp_path):
     """Packed for kernels.cpp, what its kernels do not do stays model.py's: gpt-oss's attention with
     sinks (its biased o_proj on the packed products), Cohere's LayerNorms (rowwise.cpp's norm does not
-    take out the mean). A prompt's logits and 24 greedy tokens a step at a time, as transformers'."""
+    take out the mean); Qwen2-MoE's shared expert and its one-output gate are packed products. A
+    prompt's logits and 24 greedy tokens a step at a time, as transformers'."""
     from model import RMSNorm
     hf = make_hf_model(family, seed=9)
     model = kernels.pack_for_cpu(load_model(save_and_convert(hf, tmp_path)))
     if family == "gpt_oss":
         assert all(layer.attention.attend_cache is None for layer in model.layers)
-    else:
+    elif family == "cohere2":
         assert all(m.kernel is None for m in model.modules() if isinstance(m, RMSNorm))
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
     model.setup_caches(max_batch_size=1, max_seq_length=64)
