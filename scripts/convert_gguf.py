@@ -27,8 +27,10 @@ from rope import rope_frequencies  # noqa: E402
 from scripts.convert_hf_checkpoint import check_against_model, rope_halves, split_gate_up  # noqa: E402
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "olmo2", "exaone4",
-                           "seed_oss", "glm4", "ernie4_5", "granite", "gpt-oss")
-INTERLEAVED_ROPE = ("glm4", "ernie4_5")  # HF's layout kept: RoPE on neighbouring pairs (llama.cpp's "norm" rope type)
+                           "seed_oss", "glm4", "ernie4_5", "granite", "gpt-oss", "command-r", "cohere2")
+# HF's layout kept: RoPE on neighbouring pairs (llama.cpp's "norm" rope type)
+INTERLEAVED_ROPE = ("glm4", "ernie4_5", "command-r", "cohere2")
+COHERE = ("command-r", "cohere2")  # LayerNorm without a bias, attention and feed-forward side by side
 POST_NORMS = ("olmo2", "exaone4")  # x + norm(f(x)); OLMo 3 is architecture olmo2 with a window
 PERMUTED = ("llama", "granite")  # llama.cpp's converter interleaves these architectures' q/k rows
 GEMMA = ("gemma2", "gemma3")
@@ -171,7 +173,7 @@ def config_from_gguf(reader) -> ModelArgs:
     elif arch == "olmo2" and window and (rope_scaling or field(reader, f"{arch}.rope.freq_base_swa")):
         # OLMo 3: the windowed layers keep plain RoPE where the global ones are scaled (llama.cpp does the same)
         rope_local_base = float(field(reader, f"{arch}.rope.freq_base_swa", rope_base))
-    gemma, gpt_oss = arch in GEMMA, arch == "gpt-oss"
+    gemma, gpt_oss, cohere = arch in GEMMA, arch == "gpt-oss", arch in COHERE
     if gpt_oss and rope_scaling:  # its YaRN ramp is not rounded to whole dimensions (its HF config's truncate: false)
         rope_scaling["truncate"] = False
     return ModelArgs(
@@ -185,7 +187,7 @@ def config_from_gguf(reader) -> ModelArgs:
         head_dim=head_dim,
         rope_base=rope_base,
         rope_scaling=rope_scaling,
-        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        norm_eps=float(get("attention.layer_norm_epsilon" if cohere else "attention.layer_norm_rms_epsilon", 1e-5)),
         attention_bias="blk.0.attn_q.bias" in tensors,
         attention_out_bias="blk.0.attn_output.bias" in tensors,
         attention_sinks="blk.0.attn_sinks.weight" in tensors,
@@ -203,22 +205,25 @@ def config_from_gguf(reader) -> ModelArgs:
         dense_layers=dense or None,
         qk_norm="all" if arch == "olmo2" else "head" if "blk.0.attn_q_norm.weight" in tensors else None,
         norm_offset=1.0 if gemma else 0.0,
-        block_norms="sandwich" if gemma or arch == "glm4" else "post" if arch in POST_NORMS else "pre",
+        norm_centered=cohere,
+        block_norms=("sandwich" if gemma or arch == "glm4" else "post" if arch in POST_NORMS else
+                     "parallel" if cohere else "pre"),
         hidden_act="gelu_tanh" if gemma else "silu",
         # Granite's multipliers: llama.cpp's names, absent where the file leaves them out.
         embedding_scale=dim ** 0.5 if gemma else field(reader, f"{arch}.embedding_scale"),
         attention_scale=(gemma_attention_scale(arch, n_layer, dim, n_head, head_dim) if gemma
                          else field(reader, f"{arch}.attention.scale")),
         residual_scale=field(reader, f"{arch}.residual_scale"),
-        logit_divisor=field(reader, f"{arch}.logit_scale"),
+        # logit_scale divides Granite's logits and multiplies Cohere's (llama.cpp reads it so)
+        logit_divisor=1 / field(reader, f"{arch}.logit_scale") if cohere else field(reader, f"{arch}.logit_scale"),
         attn_logit_softcap=field(reader, f"{arch}.attn_logit_softcapping"),
         final_logit_softcap=field(reader, f"{arch}.final_logit_softcapping"),
         sliding_window_layers=local_layers,
         rope_local_base=rope_local_base,
         rope_dim=rope_dim or head_dim,
-        # A windowed EXAONE 4 rotates its local layers only.
+        # A windowed EXAONE 4 or Cohere2 rotates its local layers only.
         no_rope_layers=[i for i in range(n_layer) if i not in (local_layers or range(n_layer))] or None
-        if arch == "exaone4" and window else None,
+        if arch in ("exaone4", "cohere2") and window else None,
     )
 
 
@@ -231,10 +236,10 @@ def gemma_attention_scale(arch: str, n_layer: int, dim: int, n_head: int, head_d
 
 def sliding_layers(reader, arch: str, n_layer: int):
     """Layers with the sliding window: llama.cpp's pattern of n is n - 1 local layers, then a global
-    one (Gemma 2 and gpt-oss: 2, Gemma 3: 6, OLMo 3 and EXAONE 4: 4, unless the file lists them); others
+    one (Gemma 2 and gpt-oss: 2, Gemma 3: 6, OLMo 3, EXAONE 4 and Cohere2: 4, unless the file lists them); others
     window every layer."""
     pattern = field(reader, f"{arch}.attention.sliding_window_pattern",
-                    {"gemma2": 2, "gemma3": 6, "olmo2": 4, "exaone4": 4, "gpt-oss": 2}.get(arch))
+                    {"gemma2": 2, "gemma3": 6, "olmo2": 4, "exaone4": 4, "gpt-oss": 2, "cohere2": 4}.get(arch))
     if pattern is None:
         return None
     if isinstance(pattern, list):  # one flag per layer

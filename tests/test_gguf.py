@@ -93,7 +93,11 @@ def write_gguf(path, state: dict, c: ModelArgs, qtype=T.F32, arch="llama", vocab
     w.add_value_length(c.head_dim)
     w.add_rope_dimension_count(c.rope_dim)
     w.add_rope_freq_base(c.rope_base)
-    w.add_layer_norm_rms_eps(c.norm_eps)
+    if c.norm_centered:  # Cohere's LayerNorm
+        w.add_layer_norm_eps(c.norm_eps)
+        w.add_logit_scale(1 / c.logit_divisor)
+    else:
+        w.add_layer_norm_rms_eps(c.norm_eps)
     if c.num_experts:
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.num_activated_experts)
@@ -104,7 +108,7 @@ def write_gguf(path, state: dict, c: ModelArgs, qtype=T.F32, arch="llama", vocab
         w.add_sliding_window(c.sliding_window)
     if arch in ("gemma2", "gemma3") and c.sliding_window and c.sliding_window_layers != [i for i in range(c.n_layer) if (i + 1) % 6]:
         w.add_sliding_window_pattern([i in c.sliding_window_layers for i in range(c.n_layer)])
-    if arch in ("olmo2", "exaone4") and c.sliding_window:  # llama.cpp's converter lists every layer
+    if arch in ("olmo2", "exaone4", "cohere2") and c.sliding_window:  # llama.cpp's converter lists every layer
         w.add_sliding_window_pattern([c.is_sliding(i) for i in range(c.n_layer)])
     if c.attn_logit_softcap:
         w.add_attn_logit_softcapping(c.attn_logit_softcap)
@@ -143,7 +147,7 @@ def write_gguf(path, state: dict, c: ModelArgs, qtype=T.F32, arch="llama", vocab
         i = name.split(".")[1] if name.startswith("layers.") else None
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             t = t + 1
-        if arch in ("glm4", "ernie4_5") and (name.endswith("wqkv.weight") or name.endswith("wqkv.bias")):  # HF's pairs
+        if arch in ("glm4", "ernie4_5", "command-r", "cohere2") and name.rpartition(".")[0].endswith("wqkv"):  # pairs
             q, k, v = t.split([c.n_head * c.head_dim, c.n_local_heads * c.head_dim, c.n_local_heads * c.head_dim])
             for x, part in zip("qkv", (interleaved(q, c.n_head, c), interleaved(k, c.n_local_heads, c), v)):
                 tensors[f"blk.{i}.attn_{x}.{name.rpartition('.')[2]}"] = part
@@ -266,6 +270,8 @@ FAMILY_ROUND_TRIPS = {
     "glm4": ("glm4", "glm4", {}),
     "ernie4_5": ("ernie4_5", "ernie4_5", {}),
     "gpt_oss": ("gpt-oss", "gpt_oss", {}),
+    "cohere": ("command-r", "cohere", {}),
+    "cohere2": ("cohere2", "cohere2", {}),
     "qwen3_yarn": ("qwen3", "qwen3", dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, beta_fast=16.0))),
     "qwen3_yarn_attention_factor": ("qwen3", "qwen3", dict(rope_parameters=dict(
@@ -301,6 +307,9 @@ LLAMA_CPP_CONVERTED = {
     "granite": ("granite", {}),
     "glm4": ("glm4", {}),
     "gpt_oss": ("gpt_oss", {}),
+    # Command R7B's window on 3 layers in 4, which llama.cpp assumes (its converter writes no pattern), and
+    # its rotary_pct, which that converter reads.
+    "cohere2": ("cohere2", {"rotary_pct": 1.0, "sliding_window_pattern": 4}),
     "gpt_oss_mxfp4": ("gpt_oss", None),  # the hub's MXFP4 experts, which llama.cpp keeps in its MXFP4 type
 }
 
