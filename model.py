@@ -511,8 +511,9 @@ class MoEFeedForward(nn.Module):
     router, and where the config has one a shared expert (Qwen2-MoE).
 
     Subclasses (quantize's int8 / int4 experts) change how experts are stored and applied:
-    `make_experts`, `expert`, `expert_weights`, and `gathers` (whether a compiled decode step can
-    gather the selected experts' weights); routing and the paths below stay the same.
+    `make_experts`, `linear` (one expert's projection), `expert_weights`, and `gathers` (whether a
+    compiled decode step can gather the selected experts' weights); routing, biases, the gate
+    function and the paths below stay the same.
     """
     gathers = True
 
