@@ -652,8 +652,14 @@ def in_memory(x: Tensor) -> Tensor:
 
 
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: Optional[float],
-                       sinks: Optional[Tensor]) -> Tensor:
-    """Attention written out, for the scores SDPA cannot change (attention_probs)."""
+                       sinks: Optional[Tensor], rows: int = 512) -> Tensor:
+    """Attention written out, for the scores SDPA cannot change (attention_probs). Eager, a long
+    prompt's query rows go `rows` at a time: its fp32 scores would otherwise take B * heads *
+    length^2 * 4 bytes at once (17 GB for gpt-oss-20b's 64 heads at 8k tokens)."""
+    if q.shape[-2] > rows and not torch.compiler.is_compiling():
+        return torch.cat([explicit_attention(q[..., i:i + rows, :], k, v, mask[..., i:i + rows, :], scale, softcap,
+                                             None if sinks is None else sinks[..., i:i + rows], rows)
+                          for i in range(0, q.shape[-2], rows)], dim=-2)
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, n_kv, rows, S)
     return (attention_probs(scores, mask, softcap, sinks) @ v.float()).to(q.dtype)
 

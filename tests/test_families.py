@@ -334,3 +334,19 @@ def test_multimodal_checkpoint_converts_its_language_model(kind, layout, tmp_pat
     ids = torch.randint(0, 250, (2, 40), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(our_logits(model, ids), hf(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("softcap, sinks", [(None, True), (5.0, False), (5.0, True)])
+def test_written_out_attention_in_row_chunks(softcap, sinks):
+    """model.explicit_attention (soft-capping, sinks) over a long prompt's query rows a chunk at a
+    time equals it over all rows at once: per-row positions and GQA-folded rows, chunks that do
+    not divide the rows."""
+    from model import explicit_attention
+    g = torch.Generator().manual_seed(0)
+    B, n_kv, rows, S, hd = 2, 2, 37, 40, 8
+    q, k, v = (torch.randn(B, n_kv, n, hd, generator=g) for n in (rows, S, S))
+    mask = torch.rand(B, 1, rows, S, generator=g) < 0.7
+    mask[..., 0] = True
+    s = torch.randn(n_kv, rows, generator=g) if sinks else None
+    whole = explicit_attention(q, k, v, mask, 0.3, softcap, s, rows=1000)
+    torch.testing.assert_close(explicit_attention(q, k, v, mask, 0.3, softcap, s, rows=5), whole)
