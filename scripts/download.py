@@ -34,6 +34,15 @@ def check_hub(repo_id: str):
                               "./scripts/prepare.sh") from None
 
 
+def weights_to_fetch(files: list) -> list:
+    """The repo's weights: its top-level safetensors, else its top-level pytorch_model*.bin. (Copies in
+    other formats sit in folders: gpt-oss's original/ and metal/, Meta's original/; a pattern such as
+    *.safetensors would match those too.)"""
+    top = [f for f in files if "/" not in f]
+    return [f for f in top if f.endswith(".safetensors")] or [f for f in top if f.startswith("pytorch_model")
+                                                               and f.endswith(".bin")]
+
+
 def download(repo_id: str, checkpoints: Path = Path("checkpoints"), token: str = None) -> Path:
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
@@ -45,9 +54,7 @@ def download(repo_id: str, checkpoints: Path = Path("checkpoints"), token: str =
     check_hub(repo_id)
     try:
         files = HfApi().list_repo_files(repo_id, token=token)
-        # Prefer safetensors; fall back to .bin only for repos that have nothing else.
-        weights = ["*.safetensors"] if any(f.endswith(".safetensors") for f in files) else ["pytorch_model*.bin"]
-        snapshot_download(repo_id, local_dir=target, allow_patterns=PATTERNS + weights, token=token)
+        snapshot_download(repo_id, local_dir=target, allow_patterns=PATTERNS + weights_to_fetch(files), token=token)
     except GatedRepoError:
         raise ValueError(f"{repo_id} is gated: accept its license on huggingface.co, then set HF_TOKEN "
                          "(or pass --hf_token)") from None

@@ -541,6 +541,16 @@ def test_download_other_errors(tmp_path, monkeypatch, capsys):
         assert_clean_error(code, err, needle)
 
 
+def test_download_fetches_the_top_level_weights_only():
+    """gpt-oss's repo holds its weights three times (top level, original/, metal/): only the top
+    level's are the transformers checkpoint the converter reads; .bin only where there is no
+    safetensors."""
+    gpt_oss = ["config.json", "model-00000-of-00002.safetensors", "model-00001-of-00002.safetensors",
+               "model.safetensors.index.json", "original/model.safetensors", "metal/model.bin"]
+    assert download.weights_to_fetch(gpt_oss) == gpt_oss[1:3]
+    assert download.weights_to_fetch(["pytorch_model.bin", "original/consolidated.00.pth"]) == ["pytorch_model.bin"]
+
+
 def test_default_model_paths(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     for argv, needle in [(["--output_dir", tmp_path / "file"], "--output_dir"),
