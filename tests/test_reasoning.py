@@ -58,16 +58,22 @@ def test_tool_calls_are_looked_for_after_the_thinking(opened):
     assert starts("Plain " + call) == (None if opened else len("Plain ") + 11)
 
 
-@pytest.fixture(scope="module")
-def thinking_server(tmp_path_factory):
+def tiny_server(tmp_path_factory, name: str, make_checkpoint):
+    """(url, model.pth) of a server on the checkpoint make_checkpoint(folder) writes, while the
+    fixture lasts."""
     from test_server import KEY, start_server, stop_server
-    d = tmp_path_factory.mktemp("thinking")
-    path = chat_checkpoint(d, TEMPLATE)
+    d = tmp_path_factory.mktemp(name)
+    path = make_checkpoint(d)
     proc, url = start_server(path, "--api_key", KEY, "--max_batch_size", "2", "--max_seq_length", "256",
                              "--model_name", "tiny")
     yield url, path
     stop_server(proc)
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    yield from tiny_server(tmp_path_factory, "thinking", lambda d: chat_checkpoint(d, TEMPLATE))
 
 
 def test_reasoning_through_the_client(thinking_server):
@@ -214,14 +220,7 @@ def test_harmony_answer_read_whole_and_streamed(text, expected, tmp_path):
 
 @pytest.fixture(scope="module")
 def harmony_server(tmp_path_factory):
-    from test_server import KEY, start_server, stop_server
-    d = tmp_path_factory.mktemp("harmony")
-    path = harmony_checkpoint(d)
-    proc, url = start_server(path, "--api_key", KEY, "--max_batch_size", "2", "--max_seq_length", "256",
-                             "--model_name", "tiny")
-    yield url, path
-    stop_server(proc)
-    shutil.rmtree(d, ignore_errors=True)
+    yield from tiny_server(tmp_path_factory, "harmony", harmony_checkpoint)
 
 
 def test_harmony_through_the_client(harmony_server):
