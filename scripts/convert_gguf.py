@@ -255,10 +255,10 @@ def rope_scaling_from_gguf(reader, arch, tensors, head_dim, rope_base):
         scaling = {"rope_type": "yarn", "factor": float(field(reader, f"{arch}.rope.scaling.factor")),
                    "original_max_position_embeddings": field(reader, f"{arch}.rope.scaling.original_context_length")}
         for key, name in YARN_FIELDS.items():
-            if field(reader, f"{arch}.rope.scaling.{name}") is not None:
-                scaling[key] = field(reader, f"{arch}.rope.scaling.{name}")
-        if field(reader, f"{arch}.rope.scaling.yarn_log_multiplier"):  # DeepSeek's mscale_all_dim (mscale 1)
-            scaling.update(mscale=1.0, mscale_all_dim=field(reader, f"{arch}.rope.scaling.yarn_log_multiplier"))
+            if (value := field(reader, f"{arch}.rope.scaling.{name}")) is not None:
+                scaling[key] = value
+        if log_mul := field(reader, f"{arch}.rope.scaling.yarn_log_multiplier"):  # DeepSeek's mscale_all_dim (mscale 1)
+            scaling.update(mscale=1.0, mscale_all_dim=log_mul)
         return scaling
     if kind != "none":
         raise ValueError(f"unsupported GGUF rope scaling {kind!r}; supported: linear, yarn, LLaMA 3 rope_freqs")

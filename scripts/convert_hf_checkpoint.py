@@ -109,6 +109,7 @@ IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                  ("language_model.lm_head.", "lm_head."), ("model.lm_head.", "lm_head."))
 
+_GRANITE = dict(embedding_multiplier=1.0, attention_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0)
 # transformers' defaults for the keys a hub config.json of the family may leave out.
 HF_DEFAULTS = {
     "gemma2": dict(tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
@@ -133,8 +134,8 @@ HF_DEFAULTS = {
     "cohere": dict(tie_word_embeddings=True, logit_scale=0.0625, layer_norm_eps=1e-5),
     "cohere2": dict(tie_word_embeddings=True, logit_scale=0.0625, layer_norm_eps=1e-5, sliding_window=4096),
     "gpt_oss": dict(attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702),
-    "granite": dict(embedding_multiplier=1.0, attention_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0),
-    "granitemoe": dict(embedding_multiplier=1.0, attention_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0),
+    "granite": _GRANITE,
+    "granitemoe": _GRANITE,
 }
 DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0, "cohere": 500_000.0}
 PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5}  # transformers' defaults where a config leaves it out
@@ -206,9 +207,8 @@ def config_from_hf(hf: dict) -> ModelArgs:
         uses_rope = hf.get("no_rope_layers") or [int((i + 1) % hf["no_rope_layer_interval"] != 0)
                                                  for i in range(n_layer)]
         no_rope = [i for i, rope in enumerate(uses_rope) if not rope] or None
-    if model_type == "exaone4" and window is not None:  # the global layers of a windowed EXAONE 4 have no RoPE
-        no_rope = [i for i in range(n_layer) if i not in (window_layers or range(n_layer))] or None
-    if model_type == "cohere2":  # RoPE on the windowed layers only
+    # RoPE on the windowed layers only: a windowed EXAONE 4's, every Cohere2 (without a window, none)
+    if model_type == "cohere2" or (model_type == "exaone4" and window is not None):
         no_rope = [i for i in range(n_layer) if window is None or i not in (window_layers or range(n_layer))] or None
     gemma, granite, gpt_oss = model_type in GEMMA, model_type in ("granite", "granitemoe"), model_type == "gpt_oss"
     beta, length = query_scale_from_hf(hf)
