@@ -283,8 +283,8 @@ def to_device(model: torch.nn.Module, device, precision: torch.dtype) -> None:
     model lets it go (a quantized model's scales, cast and then repacked by finalize_model)."""
     from kernels import release_pages
 
-    def moved(old: torch.Tensor) -> torch.Tensor:
-        new = old.to(device=device, dtype=precision if old.is_floating_point() else None)
+    def moved(old: torch.Tensor, dtype: torch.dtype = precision) -> torch.Tensor:
+        new = old.to(device=device, dtype=dtype if old.is_floating_point() else None)
         if new is not old:
             release_pages(old)
         return new
@@ -294,9 +294,10 @@ def to_device(model: torch.nn.Module, device, precision: torch.dtype) -> None:
             p.data = moved(p.data)
         copies = {}
         for module in model.modules():
+            fp32 = getattr(module, "full_precision_buffers", ())  # a router's selection bias
             for name, b in list(module.named_buffers(recurse=False)):
                 if id(b) not in copies:
-                    copies[id(b)] = moved(b)
+                    copies[id(b)] = moved(b, torch.float32 if name in fp32 else precision)
                 setattr(module, name, copies[id(b)])
 
 

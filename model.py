@@ -3,8 +3,8 @@
 
 Plain single-device PyTorch: quantize.py swaps its linears and tp.py shards it from outside.
 Variants (GQA, q/k/v bias, tied embeddings, rope scaling, mixture of experts, q/k norms, Gemma's
-norms, GeGLU and soft-capping, Granite's multipliers, gpt-oss's sinks and biased experts, Cohere's
-parallel blocks, per-layer sliding windows and RoPE) come from `ModelArgs`, which
+norms, GeGLU and soft-capping, Granite's multipliers, gpt-oss's sinks and biased experts, DeepSeek V3's
+sigmoid routing, Cohere's parallel blocks, per-layer sliding windows and RoPE) come from `ModelArgs`, which
 the converters write as config.json beside the weights; the defaults are LLaMA's.
 """
 import json
@@ -51,6 +51,15 @@ class ModelArgs:
     moe_bias: bool = False  # the router and each expert's projections carry biases (gpt-oss)
     shared_expert_size: Optional[int] = None  # a dense feed-forward of this size every token runs too (Qwen2-MoE)
     shared_expert_gate: bool = False  # its output times sigmoid of a learned projection of the input (Qwen2-MoE)
+    # "softmax" over the experts (Mixtral, Qwen) or "sigmoid" of each expert's logit on its own (DeepSeek V3,
+    # GLM-4.5, dots.llm1, MiniMax M2), where a learned bias per expert moves the choice but not the weights.
+    router: str = "softmax"
+    expert_selection_bias: bool = False
+    # Experts in expert_groups groups; a token chooses among the expert_groups_used groups whose two best
+    # scores sum highest (DeepSeek V3's n_group / topk_group).
+    expert_groups: int = 1
+    expert_groups_used: int = 1
+    routed_scale: Optional[float] = None  # the routed experts' weights times this (routed_scaling_factor)
     # gpt-oss's experts: gate <= limit and |up| <= limit, then (up + 1) * gate * sigmoid(swiglu_alpha * gate)
     swiglu_limit: Optional[float] = None
     swiglu_alpha: Optional[float] = None
@@ -91,6 +100,7 @@ class ModelArgs:
             self.moe_intermediate_size = self.intermediate_size
         for name, value, valid in (("qk_norm", self.qk_norm, (None, "head", "all")),
                                    ("block_norms", self.block_norms, tuple(BLOCK_NORMS)),
+                                   ("router", self.router, ("softmax", "sigmoid")),
                                    ("hidden_act", self.hidden_act, tuple(ACTIVATIONS))):
             if value not in valid:
                 raise ValueError(f"unsupported {name} {value!r}; supported: {', '.join(map(str, valid))}")
@@ -141,6 +151,13 @@ class ModelArgs:
         if self.num_experts < 0 or (self.num_experts and not 1 <= self.num_activated_experts <= self.num_experts):
             raise ValueError(f"num_experts {self.num_experts} must be 0 (no experts) or at least "
                              f"num_activated_experts ({self.num_activated_experts}, at least 1)")
+        groups, used = self.expert_groups, self.expert_groups_used
+        if groups > 1 and not (self.num_experts % groups == 0 and self.num_experts // groups >= 2
+                               and 1 <= used <= groups and self.num_activated_experts <= used * self.num_experts
+                               // groups):
+            raise ValueError(f"expert_groups {groups} must divide num_experts {self.num_experts} into groups of at "
+                             f"least 2, and expert_groups_used ({used}, 1 to {groups}) must hold "
+                             f"num_activated_experts ({self.num_activated_experts})")
         try:  # the one place that knows the rope types and their keys (any head_dim tells)
             rope_frequencies(2, self.rope_base, self.rope_scaling)
         except KeyError as e:
@@ -516,12 +533,17 @@ class MoEFeedForward(nn.Module):
     function and the paths below stay the same.
     """
     gathers = True
+    full_precision_buffers = ("selection_bias",)  # kept fp32 under a bf16 model (load.to_device): it picks experts
 
     def __init__(self, config: ModelArgs):
         super().__init__()
         E, D, I = config.num_experts, config.dim, config.moe_intermediate_size
         self.top_k = config.num_activated_experts
         self.norm_topk_prob = config.norm_topk_prob
+        self.sigmoid = config.router == "sigmoid"
+        self.groups = (config.expert_groups, config.expert_groups_used) if config.expert_groups > 1 else None
+        self.routed_scale = config.routed_scale
+        self.register_buffer("selection_bias", torch.zeros(E) if config.expert_selection_bias else None)
         self.act = ACTIVATIONS[config.hidden_act]
         self.swiglu_limit, self.swiglu_alpha = config.swiglu_limit, config.swiglu_alpha
         self.gate = nn.Linear(D, E, bias=config.moe_bias)
@@ -546,12 +568,24 @@ class MoEFeedForward(nn.Module):
         return self.gate.out_features
 
     def route(self, x: Tensor):
-        """x: (N, D) -> weights, experts (N, k): softmax over all experts, top-k, renormalised
-        unless the config says otherwise (Qwen3-MoE's norm_topk_prob=false)."""
-        probs = F.softmax(self.gate(x).float(), dim=-1)  # (N, E)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+        """x: (N, D) -> weights, experts (N, k): the top-k of the softmax over all experts, or of
+        each expert's sigmoid (chosen by score + selection bias, within the best groups where the
+        config has groups); renormalised unless the config says otherwise (Qwen3-MoE's
+        norm_topk_prob=false), then scaled where it says so."""
+        logits = self.gate(x).float()  # (N, E)
+        if not self.sigmoid:
+            weights, experts = torch.topk(F.softmax(logits, dim=-1), self.top_k, dim=-1)  # (N, k)
+        else:
+            scores = torch.sigmoid(logits)
+            choice = scores if self.selection_bias is None else scores + self.selection_bias.float()
+            if self.groups is not None:
+                choice = best_groups(choice, *self.groups)
+            experts = torch.topk(choice, self.top_k, dim=-1).indices
+            weights = scores.gather(1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scale is not None:
+            weights = weights * self.routed_scale
         return weights.to(x.dtype), experts
 
     def glu(self, gate: Tensor, up: Tensor) -> Tensor:
@@ -616,6 +650,15 @@ class MoEFeedForward(nn.Module):
         for e in range(dense.shape[1]):
             out += dense[:, e, None] * self.expert(x, e)
         return out
+
+
+def best_groups(choice: Tensor, groups: int, used: int) -> Tensor:
+    """choice (N, E) with the experts outside each token's `used` best of `groups` groups at -inf;
+    a group's score is the sum of its two best experts' (DeepSeek V3's group-limited routing)."""
+    grouped = choice.view(choice.shape[0], groups, -1)  # (N, groups, E / groups)
+    best = torch.topk(grouped.topk(2, dim=-1).values.sum(-1), used, dim=-1).indices  # (N, used)
+    keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=choice.device).scatter(1, best, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float,

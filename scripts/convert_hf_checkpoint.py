@@ -25,7 +25,7 @@ from rope import ROPE_TYPES, rope_type  # noqa: E402
 
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
              "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4", "gpt_oss", "ernie4_5",
-             "ministral3", "cohere", "cohere2", "olmoe", "granitemoe", "qwen2_moe")
+             "ministral3", "cohere", "cohere2", "olmoe", "granitemoe", "qwen2_moe", "glm4_moe", "dots1", "minimax_m2")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 
@@ -51,6 +51,12 @@ WEIGHT_MAP = {
     "model.layers.{}.mlp.shared_expert.up_proj.weight": "layers.{}.feed_forward.shared_expert.w3.weight",
     "model.layers.{}.mlp.shared_expert.down_proj.weight": "layers.{}.feed_forward.shared_expert.w2.weight",
     "model.layers.{}.mlp.shared_expert_gate.weight": "layers.{}.feed_forward.shared_gate.weight",
+    # DeepSeek V3's (GLM-4.5's, dots.llm1's): shared experts as one feed-forward, the router's selection bias.
+    "model.layers.{}.mlp.shared_experts.gate_proj.weight": "layers.{}.feed_forward.shared_expert.w1.weight",
+    "model.layers.{}.mlp.shared_experts.up_proj.weight": "layers.{}.feed_forward.shared_expert.w3.weight",
+    "model.layers.{}.mlp.shared_experts.down_proj.weight": "layers.{}.feed_forward.shared_expert.w2.weight",
+    "model.layers.{}.mlp.gate.e_score_correction_bias": "layers.{}.feed_forward.selection_bias",
+    "model.layers.{}.block_sparse_moe.e_score_correction_bias": "layers.{}.feed_forward.selection_bias",  # MiniMax
     "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
     "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
     # Mixtral, hub layout: one tensor per expert, stacked into [E, ...] afterwards.
@@ -136,17 +142,28 @@ HF_DEFAULTS = {
     "gpt_oss": dict(attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702),
     "granite": _GRANITE,
     "granitemoe": _GRANITE,
+    "glm4_moe": dict(attention_bias=False, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True),
+    "dots1": dict(norm_topk_prob=False, first_k_dense_replace=0, max_window_layers=62),
+    "minimax_m2": dict(norm_topk_prob=True),
 }
-DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0, "cohere": 500_000.0}
-PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5}  # transformers' defaults where a config leaves it out
+DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0, "cohere": 500_000.0,
+                     "minimax_m2": 5_000_000.0}
+PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5, "glm4_moe": 0.5}  # transformers' defaults where a config leaves it out
 # RoPE on pairs (0, 1), (2, 3), ...: the converter reorders q/k rows to halves
 INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "cohere", "cohere2")
 COHERE = ("cohere", "cohere2")  # one LayerNorm (no bias) before attention and feed-forward, side by side
-QKV_BIAS = ("qwen2", "qwen2_moe", "seed_oss", "glm", "glm4")  # families whose attention_bias puts a bias on q/k/v only
+# families whose attention_bias puts a bias on q/k/v only
+QKV_BIAS = ("qwen2", "qwen2_moe", "seed_oss", "glm", "glm4", "glm4_moe")
 POST_NORMS = ("olmo2", "olmo3", "exaone4")  # x + norm(f(x))
 # HF activation name -> ModelArgs.hidden_act
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 GEMMA = ("gemma2", "gemma3_text")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "granitemoe", "glm4_moe", "dots1", "minimax_m2")
+# DeepSeek V3's mixture of experts: sigmoid routing with a selection bias, shared experts, dense first layers
+DEEPSEEK_MOE = ("glm4_moe", "dots1")
+SIGMOID_ROUTER = DEEPSEEK_MOE + ("minimax_m2",)
+# Checkpoints that keep multi-token-prediction layers after the last (GLM-4.5's): brisk does not run them
+MTP_LAYERS = ("glm4_moe", "minimax_m2")
 
 
 def text_model(hf: dict) -> dict:
@@ -189,19 +206,26 @@ def config_from_hf(hf: dict) -> ModelArgs:
     act = hf.get(act_key, "silu")
     if act not in ACTIVATIONS:
         raise ValueError(f"unsupported {act_key} {act!r}; supported: {', '.join(ACTIVATIONS)}")
-    for key in ("mlp_bias", "use_bidirectional_attention", "attention_out_bias", "use_bias", "use_qk_norm",
-                "clip_qkv") + (
+    for key in ("mlp_bias", "use_bidirectional_attention", "attention_out_bias", "use_bias", "clip_qkv") + (
+            ("use_qk_norm",) if model_type not in ("glm4_moe", "minimax_m2") else ()) + (
             ("attention_bias",) if model_type not in QKV_BIAS + ("gpt_oss",) else ()):
         if hf.get(key):  # (attention_bias: these families put a bias on o_proj too)
             raise ValueError(f"unsupported {key}={json.dumps(hf[key])} in the {model_type} config.json")
     window, window_layers = sliding_window_from_hf(hf, model_type)
     # Qwen3-MoE's hub configs say num_experts, transformers 5 writes num_local_experts as Mixtral's do.
-    experts = (hf.get("num_experts") or hf.get("num_local_experts", 0)
-               if model_type in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "granitemoe") else 0)
-    dense = None
+    experts = (hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0
+               if model_type in MOE else 0)
+    dense, shared = None, None
     if model_type in ("qwen3_moe", "qwen2_moe"):
         dense = [i for i in range(n_layer) if i in (hf.get("mlp_only_layers") or [])
                  or (i + 1) % hf["decoder_sparse_step"]] or None
+    if model_type == "qwen2_moe":
+        shared = hf.get("shared_expert_intermediate_size") or None
+    if model_type in DEEPSEEK_MOE:
+        dense = list(range(min(hf["first_k_dense_replace"], n_layer))) or None
+        shared = hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0) or None
+    groups = (hf.get("n_group") or 1, hf.get("topk_group") or 1) if model_type in DEEPSEEK_MOE else (1, 1)
+    routed_scale = float(hf.get("routed_scaling_factor") or 1.0) if model_type in DEEPSEEK_MOE else 1.0
     no_rope = None
     if model_type == "smollm3":  # HF lists 1 for the layers that use RoPE
         uses_rope = hf.get("no_rope_layers") or [int((i + 1) % hf["no_rope_layer_interval"] != 0)
@@ -237,13 +261,21 @@ def config_from_hf(hf: dict) -> ModelArgs:
         sliding_window=window,
         num_experts=experts,
         num_activated_experts=hf.get("num_experts_per_tok", 2),
-        moe_intermediate_size=hf.get("moe_intermediate_size") if model_type in ("qwen3_moe", "qwen2_moe") else None,
-        shared_expert_size=hf.get("shared_expert_intermediate_size") or None if model_type == "qwen2_moe" else None,
-        shared_expert_gate=model_type == "qwen2_moe" and bool(hf.get("shared_expert_intermediate_size")),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        moe_intermediate_size=(hf.get("moe_intermediate_size")
+                               if model_type in ("qwen3_moe", "qwen2_moe") + DEEPSEEK_MOE else None),
+        shared_expert_size=shared,
+        shared_expert_gate=model_type == "qwen2_moe" and shared is not None,
+        router="sigmoid" if model_type in SIGMOID_ROUTER else "softmax",
+        expert_selection_bias=model_type in SIGMOID_ROUTER,
+        expert_groups=groups[0],
+        expert_groups_used=groups[1],
+        routed_scale=routed_scale if routed_scale != 1.0 else None,
+        # (MiniMax M2 renormalises whatever its config says, as transformers does)
+        norm_topk_prob=model_type == "minimax_m2" or bool(hf.get("norm_topk_prob", True)),
         dense_layers=dense,
         qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "exaone4": "head", "olmo2": "all",
-                 "olmo3": "all", "olmoe": "all"}.get(model_type),
+                 "olmo3": "all", "olmoe": "all", "dots1": "head", "minimax_m2": "all",
+                 "glm4_moe": "head" if hf.get("use_qk_norm") else None}.get(model_type),
         norm_offset=1.0 if gemma else 0.0,
         norm_centered=model_type in COHERE,
         block_norms=("sandwich" if gemma or model_type == "glm4" else "post" if model_type in POST_NORMS else
@@ -278,6 +310,9 @@ def rope_from_hf(hf: dict, model_type: str) -> tuple:
     theta, params_partial = params.pop("rope_theta", None), params.pop("partial_rotary_factor", None)
     rope_base = float(hf.get("rope_theta") or theta or DEFAULT_ROPE_BASE.get(model_type, 10000.0))
     partial = float(hf.get("partial_rotary_factor") or params_partial or PARTIAL_ROTARY.get(model_type, 1.0))
+    if hf.get("rotary_dim") and not (hf.get("partial_rotary_factor") or params_partial):
+        # MiniMax M2's released configs name the rotated dimensions instead
+        partial = hf["rotary_dim"] / (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
     scaling = dict(hf.get("rope_scaling") or params)
     scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
     kind = rope_type(scaling)
@@ -415,11 +450,17 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
                        multimodal: bool = False) -> dict:
     """multimodal: the checkpoint holds more than the language model, whose tensors alone are kept."""
     weight_map = {**WEIGHT_MAP, **FAMILY_WEIGHT_MAP.get(model_type, {})}
-    state = {}
+    state, mtp = {}, set()
     for name, tensor in hf_state.items():
         name = text_tensor_name(name) if multimodal else name
-        if name is not None and not IGNORED.fullmatch(name):
+        layer = re.match(r"model\.layers\.(\d+)\.", name or "")
+        if model_type in MTP_LAYERS and layer and int(layer[1]) >= config.n_layer:
+            mtp.add(int(layer[1]))
+        elif name is not None and not IGNORED.fullmatch(name):
             state[rename(name, weight_map)] = tensor
+    if mtp:
+        print(f"left out the multi-token-prediction layer{'s' * (len(mtp) > 1)} {sorted(mtp)}: brisk runs the "
+              f"model's {config.n_layer} layers", file=sys.stderr)
     if config.tie_embeddings:
         state.pop("output.weight", None)  # the loader ties it to tok_embeddings
     for i in range(config.n_layer):

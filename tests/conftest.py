@@ -106,6 +106,23 @@ FAMILIES = {
     "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig", dict(
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
         embedding_multiplier=12.0, attention_multiplier=1 / 16, residual_multiplier=0.22, logits_scaling=4.0)),
+    # GLM-4.5 / 4.6 / 4.7 (glm4_moe): DeepSeek V3's experts (sigmoid router, a selection bias, 1 group
+    # of 2 chosen from, scaled weights, a shared expert, a dense first layer) behind GLM's half-rotary,
+    # q/k/v-biased attention.
+    "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(
+        num_hidden_layers=3, num_key_value_heads=2, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, attention_bias=True, pad_token_id=0)),
+    # dots.llm1: the same experts (two shared, top-k unnormalised) behind Qwen3's per-head q/k norms.
+    "dots1": ("Dots1ForCausalLM", "Dots1Config", dict(
+        num_hidden_layers=3, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2,
+        moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=1.5, sliding_window=8,
+        max_window_layers=2)),
+    # MiniMax M2: sigmoid routing with a selection bias, q/k norms over the whole projection, RoPE on
+    # half of each head (the hub's rotary_dim).
+    "minimax_m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2Config", dict(
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, head_dim=16,
+        rotary_dim=8, bos_token_id=1, eos_token_id=0)),
     # Granite 3's multipliers (its 8B: 12, 1/128, 0.22, 16); untied: the tests' wide random
     # embeddings, times 12 and tied, would make greedy repeat the last token.
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(
@@ -143,6 +160,9 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
                 p.normal_(0, 0.15)
             else:
                 p.add_(torch.randn_like(p) * 0.05)
+        for name, b in model.named_buffers():  # DeepSeek V3-style routers' selection bias: zeros at init
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.2)
     return model
 
 

@@ -188,6 +188,8 @@ CHECKPOINT_EDITS = {
     "rope_scaling without its keys": (lambda d: edit_config(d, rope_scaling={"rope_type": "llama3"}), "factor"),
     "rope_scaling unknown": (lambda d: edit_config(d, rope_scaling={"rope_type": "dynamic"}), "dynamic"),
     "yarn without its factor": (lambda d: edit_config(d, rope_scaling={"rope_type": "yarn"}), "factor"),
+    "router unknown": (lambda d: edit_config(d, router="top1"), "router 'top1'"),
+    "expert_groups without experts to group": (lambda d: edit_config(d, expert_groups=3), "expert_groups 3"),
     "unknown config key": (lambda d: edit_config(d, n_embd=64), "n_embd"),
     "config not JSON": (lambda d: (d / "config.json").write_text('{"n_layer": 2,'), "not valid JSON"),
     "config a list": (lambda d: (d / "config.json").write_text("[1, 2]"), "not a JSON object"),

@@ -14,11 +14,11 @@ import quantize
 from conftest import FAMILIES, make_hf_model, save_and_convert, save_gpt_oss_mxfp4
 from decode import generate
 from load import load_model
-from scripts.convert_hf_checkpoint import config_from_hf
+from scripts.convert_hf_checkpoint import config_from_hf, convert_hf_checkpoint
 
 NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3", "olmo2", "olmo3",
                 "exaone4", "seed_oss", "glm4", "glm", "gpt_oss", "ernie4_5", "ministral3", "cohere",
-                "cohere2", "olmoe", "granitemoe", "qwen2_moe", "granite"]
+                "cohere2", "olmoe", "granitemoe", "qwen2_moe", "granite", "glm4_moe", "dots1", "minimax_m2"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -48,6 +48,9 @@ VARIANTS = {
     # transformers' defaults (every multiplier 1: no 1/sqrt(head_dim) either), tied, MHA.
     "granite_defaults": ("granite", dict(num_key_value_heads=4, tie_word_embeddings=True, embedding_multiplier=1.0,
                                          attention_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0)),
+    # GLM-4.5 with per-head q/k norms (use_qk_norm), four groups of two, two chosen from, top-k unnormalised.
+    "glm4_moe_qk_norm_groups": ("glm4_moe", dict(use_qk_norm=True, n_group=4, topk_group=2, norm_topk_prob=False,
+                                                 first_k_dense_replace=0, n_shared_experts=2)),
     # YaRN as Qwen3's model card adds it for long contexts: the factor, the original context.
     "qwen3_yarn": ("qwen3", dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                                       original_max_position_embeddings=64))),
@@ -112,6 +115,13 @@ EXPECTED_CONFIG = {
     "qwen2_moe": dict(num_experts=4, moe_intermediate_size=32, shared_expert_size=48, shared_expert_gate=True,
                       dense_layers=[1], attention_bias=True),
     "granite": dict(embedding_scale=12.0, attention_scale=1 / 16, residual_scale=0.22, logit_divisor=4.0),
+    "glm4_moe": dict(router="sigmoid", expert_selection_bias=True, expert_groups=2, expert_groups_used=1,
+                     routed_scale=2.5, shared_expert_size=32, dense_layers=[0], rope_dim=8, attention_bias=True,
+                     qk_norm=None),
+    "dots1": dict(router="sigmoid", expert_groups=1, routed_scale=1.5, shared_expert_size=64, norm_topk_prob=False,
+                  qk_norm="head", sliding_window_layers=[2]),
+    "minimax_m2": dict(router="sigmoid", expert_selection_bias=True, routed_scale=None, norm_topk_prob=True,
+                       qk_norm="all", rope_dim=8, rope_base=5e6),
 }
 
 
@@ -138,9 +148,11 @@ def test_longrope_long_factors_past_the_original_context(converted):
         assert not torch.allclose(model(ids[:, :40], torch.arange(40)), short_hf, atol=1e-3)
 
 
-# On gpt-oss's random tiny model int8 changes which 2 of 4 experts some tokens take (logits 15% off,
-# each feed-forward 1%): with every expert active the bound measures the products, not the flips.
-INT8_OVERRIDES = {"gpt_oss": dict(num_experts_per_tok=4)}
+# On the random tiny models of gpt-oss and the sigmoid routers int8 changes which 2 of 4 experts some
+# tokens take (logits 12-15% off, each feed-forward 1%): with every expert active the bound measures the
+# products, not the flips.
+INT8_OVERRIDES = {"gpt_oss": dict(num_experts_per_tok=4), "glm4_moe": dict(n_group=1, num_experts_per_tok=8),
+                  "dots1": dict(num_experts_per_tok=4), "minimax_m2": dict(num_experts_per_tok=4)}
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
@@ -246,7 +258,7 @@ def test_yarn_in_the_hubs_form():
     assert (config.rope_base, config.rope_local_base, config.rope_scaling["factor"]) == (5e5, 5e5, 8.0)
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "cohere2", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["gpt_oss", "cohere2", "qwen2_moe", "glm4_moe"])
 def test_packed_for_the_cpu_matches_transformers(family, tmp_path):
     """Packed for kernels.cpp, what its kernels do not do stays model.py's: gpt-oss's attention with
     sinks (its biased o_proj on the packed products), Cohere's LayerNorms (rowwise.cpp's norm does not
@@ -350,3 +362,34 @@ def test_written_out_attention_in_row_chunks(softcap, sinks):
     s = torch.randn(n_kv, rows, generator=g) if sinks else None
     whole = explicit_attention(q, k, v, mask, 0.3, softcap, s, rows=1000)
     torch.testing.assert_close(explicit_attention(q, k, v, mask, 0.3, softcap, s, rows=5), whole)
+
+
+def test_deepseek_style_routing_in_the_hubs_form(tmp_path):
+    """GLM-4.5's hub checkpoints keep a multi-token-prediction layer after the last (num_nextn_predict_layers),
+    which the converter leaves out; MiniMax M2's configs give the rotated dimensions as rotary_dim."""
+    hf = make_hf_model("glm4_moe", num_hidden_layers=4)
+    hf.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=3,
+                                                                 num_nextn_predict_layers=1)))
+    model = load_model(convert_hf_checkpoint(tmp_path))
+    hf.model.layers = hf.model.layers[:3]  # the same weights, without the fourth layer
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(our_logits(model, ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+    minimax = make_hf_model("minimax_m2").config.to_dict()
+    minimax.pop("rope_parameters")
+    minimax.update(rope_theta=5e6, rotary_dim=64, head_dim=128)
+    assert config_from_hf(minimax).rope_dim == 64
+
+
+def test_selection_bias_stays_fp32_under_bf16(converted):
+    """The router's selection bias picks experts by small differences that bf16 would round away (transformers
+    keeps it fp32 too); the rest of the model follows the precision, quantized or not."""
+    _, path = converted("glm4_moe")
+    int8 = quantize.quantize_checkpoint(path, "int8", output_path=path.with_name("glm4_moe_bf16_int8.pth"))
+    for checkpoint in (path, int8):
+        model = load_model(checkpoint, precision=torch.bfloat16)
+        moe = model.layers[1].feed_forward
+        assert moe.selection_bias.dtype == torch.float32 and model.norm.weight.dtype == torch.bfloat16
+

@@ -76,6 +76,8 @@ def checkpoints(tmp_path_factory):
         "cohere2": save_and_convert(make_hf_model("cohere2"), root / "cohere2"),
         # A shared expert split as a dense feed-forward beside the routed ones, its gate whole.
         "qwen2_moe": save_and_convert(make_hf_model("qwen2_moe"), root / "qwen2_moe"),
+        # Sigmoid routing within groups, the selection bias whole on every rank, shared experts split.
+        "glm4_moe": save_and_convert(make_hf_model("glm4_moe"), root / "glm4_moe"),
     }
     paths["qwen2_int8"] = quantize.quantize_checkpoint(paths["qwen2"], "int8")
     paths["llama_odd_vocab_int4"] = quantize.quantize_checkpoint(paths["llama_odd_vocab"], "int4", 32)
@@ -83,6 +85,7 @@ def checkpoints(tmp_path_factory):
     paths["moe_int4"] = quantize.quantize_checkpoint(paths["moe"], "int4", 32)
     paths["qwen3_moe_int8"] = quantize.quantize_checkpoint(paths["qwen3_moe"], "int8")
     paths["gpt_oss_int8"] = quantize.quantize_checkpoint(paths["gpt_oss"], "int8")
+    paths["glm4_moe_int8"] = quantize.quantize_checkpoint(paths["glm4_moe"], "int8")
     return paths
 
 
@@ -98,7 +101,7 @@ def tp_results(checkpoints, tmp_path_factory):
 @pytest.mark.parametrize("name", ["qwen2", "llama_odd_vocab", "moe", "olmo2", "qwen3_moe", "qwen2_int8:dequant",
                                   "llama_odd_vocab_int4:dequant", "moe_int8:dequant", "moe_int4:dequant",
                                   "qwen3_moe_int8:dequant", "gpt_oss", "gpt_oss_int8:dequant", "cohere2",
-                                  "qwen2_moe"])
+                                  "qwen2_moe", "glm4_moe", "glm4_moe_int8:dequant"])
 def test_tp_matches_single_process(name, checkpoints, tp_results):
     """Sharded == whole to fp32 precision (quantized layers on the fp32 dequantize path)."""
     name, _, variant = name.partition(":")
