@@ -27,7 +27,11 @@ from rope import rope_frequencies  # noqa: E402
 from scripts.convert_hf_checkpoint import check_against_model, rope_halves, split_gate_up  # noqa: E402
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "olmo2", "exaone4",
-                           "seed_oss", "glm4", "ernie4_5", "granite", "gpt-oss", "command-r", "cohere2")
+                           "seed_oss", "glm4", "ernie4_5", "granite", "gpt-oss", "command-r", "cohere2", "glm4moe",
+                           "dots1", "minimax-m2")
+# DeepSeek V3's routing (sigmoid, a selection bias): llama.cpp's default for these where the file names none
+SIGMOID_ROUTER = ("glm4moe", "dots1", "minimax-m2")
+GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
 # HF's layout kept: RoPE on neighbouring pairs (llama.cpp's "norm" rope type)
 INTERLEAVED_ROPE = ("glm4", "ernie4_5", "command-r", "cohere2")
 COHERE = ("command-r", "cohere2")  # LayerNorm without a bias, attention and feed-forward side by side
@@ -69,13 +73,18 @@ WEIGHT_MAP = {
     "blk.{}.ffn_gate_exps.bias": "layers.{}.feed_forward.w1_bias",
     "blk.{}.ffn_up_exps.bias": "layers.{}.feed_forward.w3_bias",
     "blk.{}.ffn_down_exps.bias": "layers.{}.feed_forward.w2_bias",
+    "blk.{}.exp_probs_b.bias": "layers.{}.feed_forward.selection_bias",  # DeepSeek V3's router
+    "blk.{}.ffn_gate_shexp.weight": "layers.{}.feed_forward.shared_expert.w1.weight",
+    "blk.{}.ffn_up_shexp.weight": "layers.{}.feed_forward.shared_expert.w3.weight",
+    "blk.{}.ffn_down_shexp.weight": "layers.{}.feed_forward.shared_expert.w2.weight",
 }
 # Phi-3 and GLM-4 keep gate and up fused in ffn_up as [2I, D]; llama.cpp names Seed-OSS's and gpt-oss's
 # pre-feed-forward norm after its HF name (post_attention_layernorm).
 ARCH_WEIGHT_MAP = {"phi3": {"blk.{}.ffn_up.weight": "layers.{}.feed_forward.w13.weight"},
                    "glm4": {"blk.{}.ffn_up.weight": "layers.{}.feed_forward.w13.weight"},
                    "seed_oss": {"blk.{}.post_attention_norm.weight": "layers.{}.ffn_norm.weight"},
-                   "gpt-oss": {"blk.{}.post_attention_norm.weight": "layers.{}.ffn_norm.weight"}}
+                   "gpt-oss": {"blk.{}.post_attention_norm.weight": "layers.{}.ffn_norm.weight"},
+                   "glm4moe": {"blk.{}.post_attention_norm.weight": "layers.{}.ffn_norm.weight"}}
 ROPE_FREQS = "rope_freqs.weight"  # LLaMA 3.1+ stores its rope scaling as per-frequency divisors
 YARN_FIELDS = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow", "attention_factor": "yarn_attn_factor"}
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
@@ -157,7 +166,8 @@ def config_from_gguf(reader) -> ModelArgs:
         raise ValueError(f"per-layer {arch}.attention.head_count_kv is not supported (one value for all layers)")
     if "token_embd.weight" not in tensors:
         raise ValueError("GGUF has no token_embd.weight tensor")
-    n_layer = get("block_count")
+    # GLM-4.5's multi-token-prediction layers follow the model's own (convert_tensors leaves them out)
+    n_layer = get("block_count") - field(reader, f"{arch}.nextn_predict_layers", 0)
     rope_dim = field(reader, f"{arch}.rope.dimension_count")
     head_dim = get("attention.key_length", rope_dim if arch in PERMUTED and rope_dim else dim // n_head)
     rope_base = float(get("rope.freq_base", 10000.0))
@@ -174,6 +184,12 @@ def config_from_gguf(reader) -> ModelArgs:
         # OLMo 3: the windowed layers keep plain RoPE where the global ones are scaled (llama.cpp does the same)
         rope_local_base = float(field(reader, f"{arch}.rope.freq_base_swa", rope_base))
     gemma, gpt_oss, cohere = arch in GEMMA, arch == "gpt-oss", arch in COHERE
+    gating = field(reader, f"{arch}.expert_gating_func")
+    if gating is not None and gating not in GATING:
+        raise ValueError(f"unsupported {arch}.expert_gating_func {gating}; supported: 1 (softmax), 2 (sigmoid)")
+    router = GATING.get(gating, "sigmoid" if arch in SIGMOID_ROUTER else "softmax")
+    shared = tensors.get(f"blk.{n_layer - 1}.ffn_up_shexp.weight")
+    routed_scale = field(reader, f"{arch}.expert_weights_scale")
     if gpt_oss and rope_scaling:  # its YaRN ramp is not rounded to whole dimensions (its HF config's truncate: false)
         rope_scaling["truncate"] = False
     return ModelArgs(
@@ -200,10 +216,17 @@ def config_from_gguf(reader) -> ModelArgs:
         num_experts=experts,
         num_activated_experts=get("expert_used_count", 2),
         moe_intermediate_size=field(reader, f"{arch}.expert_feed_forward_length"),
-        # llama.cpp renormalises the top-k weights of qwen3moe unless the file says otherwise.
+        shared_expert_size=int(shared.shape[1]) if shared is not None else None,
+        router=router,
+        expert_selection_bias=f"blk.{n_layer - 1}.exp_probs_b.bias" in tensors,
+        expert_groups=field(reader, f"{arch}.expert_group_count") or 1,
+        expert_groups_used=field(reader, f"{arch}.expert_group_used_count") or 1,
+        routed_scale=float(routed_scale) if routed_scale not in (None, 0.0, 1.0) else None,
+        # llama.cpp renormalises the top-k weights of qwen3moe (and MiniMax M2's) unless the file says otherwise.
         norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", True)),
         dense_layers=dense or None,
-        qk_norm="all" if arch == "olmo2" else "head" if "blk.0.attn_q_norm.weight" in tensors else None,
+        qk_norm=("all" if arch in ("olmo2", "minimax-m2") else "head" if "blk.0.attn_q_norm.weight" in tensors
+                 else None),
         norm_offset=1.0 if gemma else 0.0,
         norm_centered=cohere,
         block_norms=("sandwich" if gemma or arch == "glm4" else "post" if arch in POST_NORMS else
@@ -349,8 +372,9 @@ def convert_tensors(reader, config: ModelArgs, dtype=None) -> dict:
     weight_map = {**WEIGHT_MAP, **ARCH_WEIGHT_MAP.get(arch, {})}
     groups = {}  # -1: embeddings, final norm, output; then one group per layer
     for t in reader.tensors:
-        if t.name not in NOT_WEIGHTS:
-            groups.setdefault(int(t.name.split(".")[1]) if t.name.startswith("blk.") else -1, []).append(t)
+        group = int(t.name.split(".")[1]) if t.name.startswith("blk.") else -1
+        if t.name not in NOT_WEIGHTS and group < config.n_layer:  # not a multi-token-prediction layer
+            groups.setdefault(group, []).append(t)
     state = {}
     for k, group in enumerate(sorted(groups), 1):
         tensors = groups[group]

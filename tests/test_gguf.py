@@ -1,5 +1,6 @@
 """scripts/convert_gguf.py: GGUF files written here as llama.cpp writes them, and the real default model,
 against the originals, transformers and sentencepiece."""
+import json
 import subprocess
 import sys
 
@@ -311,6 +312,12 @@ LLAMA_CPP_CONVERTED = {
     # its rotary_pct, which that converter reads.
     "cohere2": ("cohere2", {"rotary_pct": 1.0, "sliding_window_pattern": 4}),
     "gpt_oss_mxfp4": ("gpt_oss", None),  # the hub's MXFP4 experts, which llama.cpp keeps in its MXFP4 type
+    # DeepSeek V3's routing: expert groups (GLM-4.5's hub configs have one), the selection bias, shared experts
+    "glm4_moe": ("glm4_moe", {}),
+    # GLM-4.5's hub form: its last layer a multi-token-prediction layer, which llama.cpp keeps and brisk leaves out
+    "glm4_moe_mtp": ("glm4_moe", {"num_hidden_layers": 4, "mtp": 1}),
+    "dots1": ("dots1", {"sliding_window": None}),  # llama.cpp has no window for dots1 (the hub's has none)
+    "minimax_m2": ("minimax_m2", {}),
 }
 
 
@@ -325,14 +332,22 @@ def test_llama_cpp_converter_output_matches_transformers(case, default_model, tm
         pytest.skip(f"llama.cpp is not at {DEFAULT_LLAMACPP_DIR} (scripts/bench_llamacpp.sh puts it there)")
     import transformers
     family, overrides = LLAMA_CPP_CONVERTED[case]
-    # Its converter knows SmolLM2's tokenizer; GLM-4's wants <|user|> among the special tokens.
+    # Its converter knows SmolLM2's tokenizer; GLM-4's wants <|user|> among the special tokens, GLM-4.5's more.
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_model.parent)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|user|>"]})
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|user|>", "[gMASK]", "<|observation|>"]})
     if overrides is None:
         hf = save_gpt_oss_mxfp4(tmp_path / "hf", vocab_size=len(tokenizer))
     else:
+        overrides = dict(overrides)
+        mtp = overrides.pop("mtp", 0)
         hf = make_hf_model(family, seed=5, vocab_size=len(tokenizer), **overrides)
         hf.save_pretrained(tmp_path / "hf")
+        if mtp:  # the last layers become prediction layers, as a hub config counts them
+            config = json.loads((tmp_path / "hf" / "config.json").read_text())
+            n_layer = config["num_hidden_layers"] - mtp
+            config.update(num_hidden_layers=n_layer, num_nextn_predict_layers=mtp)
+            (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+            hf.model.layers = hf.model.layers[:n_layer]
     tokenizer.save_pretrained(tmp_path / "hf")
     subprocess.run([sys.executable, str(script), str(tmp_path / "hf"), "--outfile", str(tmp_path / "model.gguf"),
                     "--outtype", "f32"], check=True, capture_output=True)
