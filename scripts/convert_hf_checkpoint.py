@@ -194,7 +194,8 @@ def config_from_hf(hf: dict) -> ModelArgs:
         raise ValueError(f"unsupported architecture {model_type!r} ({hf.get('architectures')}); "
                          f"supported model_type values: {', '.join(SUPPORTED)}")
     quantized = hf.get("quantization_config") or {}
-    if quantized and not (model_type == "gpt_oss" and quantized.get("quant_method") == "mxfp4"):
+    if quantized and not (model_type == "gpt_oss" and quantized.get("quant_method") == "mxfp4"
+                          or fp8_block(hf) is not None):
         raise ValueError(f"this checkpoint's weights are quantized ({quantized.get('quant_method')!r} in "
                          "quantization_config); convert the full-precision (bf16) release of the model, then "
                          "quantize it with quantize.py")
@@ -524,6 +525,35 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.bfl
     return out
 
 
+def fp8_block(hf: dict) -> Optional[tuple]:
+    """The (rows, cols) block of a block-wise FP8 checkpoint (DeepSeek V3's format: Qwen3-FP8, MiniMax M2,
+    GLM-4.5-FP8), transformers' default where its config names none; None for any other checkpoint."""
+    quantized = hf.get("quantization_config") or {}
+    if quantized.get("quant_method") != "fp8" or quantized.get("activation_scheme", "dynamic") != "dynamic":
+        return None
+    return tuple(quantized.get("weight_block_size") or (128, 128))
+
+
+def fp8_dequantized(hf_state: dict, block: tuple) -> dict:
+    """hf_state with each FP8 weight times its scale per block (`NAME_scale_inv`: [ceil(rows / block[0]),
+    ceil(cols / block[1])]), in the dtype of the checkpoint's other weights (bf16 in the hub's)."""
+    dtype = next((t.dtype for t in hf_state.values() if t.is_floating_point() and t.element_size() > 1),
+                 torch.bfloat16)
+    out = {}
+    for name, t in hf_state.items():
+        if name.endswith("_scale_inv"):
+            continue
+        scale = hf_state.get(name + "_scale_inv")
+        if scale is not None:
+            rows, cols = t.shape[-2:]
+            scale = scale.float().repeat_interleave(block[0], -2)[..., :rows, :].repeat_interleave(block[1], -1)
+            t = (t.float() * scale[..., :cols]).to(dtype)
+        elif t.element_size() == 1 and t.is_floating_point():
+            raise ValueError(f"FP8 tensor {name!r} has no {name}_scale_inv beside it; download the checkpoint again")
+        out[name] = t
+    return out
+
+
 def split_gate_up(w13: torch.Tensor) -> tuple:
     """Phi-3's fused [gate; up] rows as w1, w3, each in its own storage: torch.save would keep two
     views of one, and inductor's frozen CPU GEMM template then reads the second at the wrong offset."""
@@ -580,6 +610,9 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output_dir: Path = None) -> Path
     for k, path in enumerate(files, 1):
         print(f"[{k}/{len(files)}] reading {path.name}", file=sys.stderr, flush=True)
         hf_state.update(load_shard(path))
+    if (block := fp8_block(hf_config)) is not None:
+        print(f"dequantizing the FP8 weights ({block[0]}x{block[1]} blocks)", file=sys.stderr, flush=True)
+        hf_state = fp8_dequantized(hf_state, block)
     state = convert_state_dict(hf_state, config, hf_config["model_type"], multimodal=hf_config is not outer)
     check_against_model(state, config)
 

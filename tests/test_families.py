@@ -202,7 +202,8 @@ def test_gptq_runs_block_by_block_with_each_layers_window(converted):
     ("rope_scaling", {"rope_type": "dynamic", "factor": 4.0}, "unsupported rope_scaling rope_type 'dynamic'"),
     ("hidden_act", "gelu", "unsupported hidden_act 'gelu'"),
     ("attention_bias", True, "unsupported attention_bias=true"),
-    ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]}, "quantized \\('fp8'"),
+    ("quantization_config", {"quant_method": "awq", "bits": 4}, "quantized \\('awq'"),
+    ("quantization_config", {"quant_method": "fp8", "activation_scheme": "static"}, "quantized \\('fp8'"),
     ("clip_qkv", 8.0, "unsupported clip_qkv=8.0"),
 ])
 def test_unsupported_field_is_refused(field, value, message):
@@ -393,3 +394,40 @@ def test_selection_bias_stays_fp32_under_bf16(converted):
         moe = model.layers[1].feed_forward
         assert moe.selection_bias.dtype == torch.float32 and model.norm.weight.dtype == torch.bfloat16
 
+
+def save_fp8(hf, hf_dir, block=(16, 16)):
+    """hf saved as the hub's block-wise FP8 releases are (DeepSeek V3's format): each projection's weight
+    in float8_e4m3fn with a float32 scale per block (`weight_scale_inv`); embeddings, norms, routers and
+    the output layer as they are."""
+    from safetensors.torch import load_file, save_file
+    hf.save_pretrained(hf_dir)
+    state = load_file(hf_dir / "model.safetensors")
+    for name in [n for n in state if n.endswith(("proj.weight", "w1.weight", "w2.weight", "w3.weight"))]:
+        w = state[name]
+        rows, cols = w.shape
+        blocks = w.reshape(rows // block[0], block[0], cols // block[1], block[1])
+        scale = blocks.abs().amax(dim=(1, 3)) / 448  # e4m3's largest value
+        state[name] = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+        state[name + "_scale_inv"] = scale
+    save_file(state, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (hf_dir / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "glm4_moe", "minimax_m2"])
+def test_fp8_checkpoint_matches_transformers_dequantized(family, tmp_path):
+    """A block-wise FP8 release converts to the weights transformers dequantizes from it (on a CPU it
+    loads FP8 checkpoints so): dense and per-expert projections, the scale of each block."""
+    import transformers
+    hf = make_hf_model(family, seed=7)
+    save_fp8(hf, tmp_path / "hf")
+    model = load_model(convert_hf_checkpoint(tmp_path))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected, unquantized = reference(ids).logits, hf(ids).logits
+    got = our_logits(model, ids)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert (got - unquantized).abs().max() > 1e-3  # FP8 rounded the weights: the scales were applied, not skipped
