@@ -159,9 +159,9 @@ def gptq_model(model: Transformer, tokens: Tensor, groupsize: int, percdamp: flo
     {module name: (RTN error, GPTQ error)} on the calibration inputs). The model's linears are left
     holding their dequantized GPTQ weights (the output projection untied from the embedding).
     """
-    if model.config.num_experts > 0:
-        raise ValueError("int4-gptq supports dense feed-forward models; quantize mixture-of-experts models "
-                         "with --mode int4")
+    if model.config.num_experts > 0 or model.config.kv_lora_rank:
+        raise ValueError("int4-gptq supports dense feed-forward models with LLaMA's attention; quantize "
+                         "mixture-of-experts and latent-attention models with --mode int4")
     device = model.tok_embeddings.weight.device
     n, T = tokens.shape
     tokens = tokens.to(device)

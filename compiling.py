@@ -181,7 +181,9 @@ def sequence_tensors(model) -> dict:
     tensors = {}
     for name, module in model.named_modules():
         if isinstance(module, KVCache):
-            tensors[f"{name}.k_cache"], tensors[f"{name}.v_cache"] = module.k_cache, module.v_cache
+            tensors[f"{name}.k_cache"] = module.k_cache
+            if module.v_cache is not None:  # (latent attention's values are its keys' first features)
+                tensors[f"{name}.v_cache"] = module.v_cache
     for name in ("rope_cos_sin", "rope_local_cos_sin"):
         if getattr(model, name, None) is not None:
             tensors[name] = getattr(model, name)

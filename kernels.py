@@ -544,7 +544,7 @@ def use_attention_kernels(model: Transformer) -> None:
     register_fake()
     for layer in model.layers:
         a = layer.attention
-        if a.softcap is None and a.sinks is None:
+        if isinstance(a, Attention) and a.softcap is None and a.sinks is None:  # (not LatentAttention)
             # The isa bound here: a compiled step calls the kernel with it as a constant (dynamo
             # would otherwise trace best_isa, and the build of the extension behind it).
             a.attend_cache = functools.partial(cache_attention, isa=best_isa())

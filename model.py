@@ -55,10 +55,11 @@ class ModelArgs:
     # GLM-4.5, dots.llm1, MiniMax M2), where a learned bias per expert moves the choice but not the weights.
     router: str = "softmax"
     expert_selection_bias: bool = False
-    # Experts in expert_groups groups; a token chooses among the expert_groups_used groups whose two best
-    # scores sum highest (DeepSeek V3's n_group / topk_group).
+    # Experts in expert_groups groups; a token chooses among the expert_groups_used groups whose best
+    # expert_group_top scores sum highest (DeepSeek V3's n_group / topk_group: 2; V2's: 1).
     expert_groups: int = 1
     expert_groups_used: int = 1
+    expert_group_top: int = 2
     routed_scale: Optional[float] = None  # the routed experts' weights times this (routed_scaling_factor)
     # gpt-oss's experts: gate <= limit and |up| <= limit, then (up + 1) * gate * sigmoid(swiglu_alpha * gate)
     swiglu_limit: Optional[float] = None
@@ -80,6 +81,14 @@ class ModelArgs:
     sliding_window_layers: Optional[list] = None  # layers that use sliding_window; None: all of them
     rope_local_base: Optional[float] = None  # RoPE base of the sliding-window layers, unscaled (Gemma 3)
     rope_dim: Optional[int] = None  # leading dims of each head that RoPE rotates (partial rotary); None: head_dim
+    # Multi-head latent attention (DeepSeek V2 / V3, Kimi K2, GLM-4.7-Flash), on where kv_lora_rank is set:
+    # keys and values come from one latent of kv_lora_rank features per position, which the cache keeps
+    # beside the RoPE key all heads share (n_local_heads 1); queries through a q_lora_rank bottleneck
+    # (None: one projection). Query and key heads are head_dim wide, their last rope_dim rotated; values
+    # v_head_dim.
+    kv_lora_rank: Optional[int] = None
+    q_lora_rank: Optional[int] = None
+    v_head_dim: Optional[int] = None
     no_rope_layers: Optional[list] = None  # layers without RoPE (SmolLM3)
 
     def __post_init__(self):
@@ -144,6 +153,11 @@ class ModelArgs:
                              "(each key/value head serves a whole group of query heads)")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even (RoPE rotates pairs of dimensions)")
+        if self.kv_lora_rank is not None and not (self.n_local_heads == 1 and self.v_head_dim and self.rope_dim
+                                                  < self.head_dim and self.rope_dim % 2 == 0):
+            raise ValueError(f"latent attention (kv_lora_rank {self.kv_lora_rank}) needs n_local_heads 1 (got "
+                             f"{self.n_local_heads}), a v_head_dim (got {self.v_head_dim}) and an even rope_dim "
+                             f"below head_dim (got {self.rope_dim} of {self.head_dim})")
         if self.rope_base <= 0 or self.norm_eps <= 0:
             raise ValueError(f"rope_base and norm_eps must be positive, got {self.rope_base}, {self.norm_eps}")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -152,12 +166,13 @@ class ModelArgs:
             raise ValueError(f"num_experts {self.num_experts} must be 0 (no experts) or at least "
                              f"num_activated_experts ({self.num_activated_experts}, at least 1)")
         groups, used = self.expert_groups, self.expert_groups_used
-        if groups > 1 and not (self.num_experts % groups == 0 and self.num_experts // groups >= 2
+        top = self.expert_group_top
+        if groups > 1 and not (self.num_experts % groups == 0 and 1 <= top <= self.num_experts // groups
                                and 1 <= used <= groups and self.num_activated_experts <= used * self.num_experts
                                // groups):
             raise ValueError(f"expert_groups {groups} must divide num_experts {self.num_experts} into groups of at "
-                             f"least 2, and expert_groups_used ({used}, 1 to {groups}) must hold "
-                             f"num_activated_experts ({self.num_activated_experts})")
+                             f"least expert_group_top ({top}, at least 1), and expert_groups_used ({used}, 1 to "
+                             f"{groups}) must hold num_activated_experts ({self.num_activated_experts})")
         try:  # the one place that knows the rope types and their keys (any head_dim tells)
             rope_frequencies(2, self.rope_base, self.rope_scaling)
         except KeyError as e:
@@ -236,37 +251,44 @@ PRESETS.update({
 class KVCache(nn.Module):
     """K/V of max_batch_size rows ("slots"), each up to max_seq_length positions."""
 
-    def __init__(self, max_batch_size, max_seq_length, n_heads, head_dim, dtype):
+    def __init__(self, max_batch_size, max_seq_length, n_heads, head_dim, dtype, value_dim: Optional[int] = None):
+        """value_dim: the values are the keys' first value_dim features (latent attention's latent), so
+        only the keys are stored."""
         super().__init__()
         shape = (max_batch_size, n_heads, max_seq_length, head_dim)
+        self.value_dim = value_dim
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", None if value_dim else torch.zeros(shape, dtype=dtype), persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Optional[Tensor] = None):
-        """Write k/v [B, H, T, D] at positions input_pos ([T], or [B, T]: each row its own) of cache
-        rows `rows` [B] (default 0..B-1). Positions past what a row has written hold stale values
-        (an earlier occupant's, or padding): the mask never lets a query see them."""
-        k, v = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)  # a bf16 cache under fp32 activations
-        if rows is None and input_pos.dim() == 1:
-            B = k.shape[0]
-            self.k_cache[:B, :, input_pos] = k
-            self.v_cache[:B, :, input_pos] = v
-            return
-        B, _, T, _ = k.shape
-        rows = torch.arange(B, device=k.device) if rows is None else rows
-        pos = input_pos.expand(B, T)
-        self.k_cache[rows[:, None], :, pos] = k.transpose(1, 2)  # indexed (B, T, H, D)
-        self.v_cache[rows[:, None], :, pos] = v.transpose(1, 2)
+    def update(self, input_pos: Tensor, k: Tensor, v: Optional[Tensor], rows: Optional[Tensor] = None):
+        """Write k/v [B, H, T, D] (v None where the keys hold the values) at positions input_pos ([T],
+        or [B, T]: each row its own) of cache rows `rows` [B] (default 0..B-1). Positions past what a
+        row has written hold stale values (an earlier occupant's, or padding): the mask never lets a
+        query see them."""
+        pairs = [(self.k_cache, k)] + ([(self.v_cache, v)] if self.v_cache is not None else [])
+        for cache, x in pairs:
+            x = x.to(cache.dtype)  # a bf16 cache under fp32 activations
+            if rows is None and input_pos.dim() == 1:
+                cache[:x.shape[0], :, input_pos] = x
+            else:
+                B, _, T, _ = x.shape
+                index = torch.arange(B, device=x.device) if rows is None else rows
+                cache[index[:, None], :, input_pos.expand(B, T)] = x.transpose(1, 2)  # indexed (B, T, H, D)
 
     def copy_positions(self, src: int, dst: int, start: int, end: int):
         """Row dst's positions [start, end) become row src's (a prompt prefix both rows share)."""
-        self.k_cache[dst, :, start:end] = self.k_cache[src, :, start:end]
-        self.v_cache[dst, :, start:end] = self.v_cache[src, :, start:end]
+        for cache in (self.k_cache, self.v_cache):
+            if cache is not None:
+                cache[dst, :, start:end] = cache[src, :, start:end]
 
     def read(self, B: int, rows: Optional[Tensor] = None, length: Optional[int] = None):
         """K/V [B, H, S, D] of cache rows `rows` (default: a view of rows 0..B-1), S = the first
         `length` positions (default all)."""
-        k, v = (self.k_cache[:B], self.v_cache[:B]) if rows is None else (self.k_cache[rows], self.v_cache[rows])
+        k = self.k_cache[:B] if rows is None else self.k_cache[rows]
+        if self.v_cache is None:
+            v = k[..., :self.value_dim]
+        else:
+            v = self.v_cache[:B] if rows is None else self.v_cache[rows]
         if length is not None:
             k, v = k[:, :, :length], v[:, :, :length]
         return k, v
@@ -303,8 +325,12 @@ class Transformer(nn.Module):
         self.max_seq_length, self.max_batch_size = max_seq_length, max_batch_size
         for layer in self.layers:
             # Sliding-window layers keep every position too: the mask hides the old ones.
-            layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, c.n_local_heads, c.head_dim,
-                                               dtype).to(device)
+            if c.kv_lora_rank:  # one latent and its RoPE key per position; the values are the latent
+                cache = KVCache(max_batch_size, max_seq_length, 1, c.kv_lora_rank + c.rope_dim, dtype,
+                                value_dim=c.kv_lora_rank)
+            else:
+                cache = KVCache(max_batch_size, max_seq_length, c.n_local_heads, c.head_dim, dtype)
+            layer.attention.kv_cache = cache.to(device)
         # RoPE tables stay in fp32: bf16 angles lose whole positions past a few thousand tokens.
         self.register_buffer("rope_cos_sin", precompute_rope(max_seq_length, c.rope_dim, c.rope_base,
                                                              c.rope_scaling).to(device), persistent=False)
@@ -386,7 +412,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelArgs, layer_id: int):
         super().__init__()
         self.sliding = config.is_sliding(layer_id)  # Transformer.forward hands it the window's mask (and local RoPE)
-        self.attention = Attention(config, layer_id)
+        self.attention = LatentAttention(config) if config.kv_lora_rank else Attention(config, layer_id)
         moe = config.num_experts > 0 and layer_id not in (config.dense_layers or ())
         self.feed_forward = MoEFeedForward(config) if moe else FeedForward(config)
         # Norms before and/or after each sublayer (BLOCK_NORMS); the missing ones are identities.
@@ -502,6 +528,58 @@ class Attention(nn.Module):
         return self.wo(y.reshape(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, q_dim))
 
 
+class LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention, run as multi-query attention over the latent: the
+    cache holds each position's normalised latent (kv_lora_rank) and shared RoPE key (rope_dim), and
+    each head reaches the latent through its slices of the key/value up-projection, wk_b folded into
+    its query, wv_b applied to its output (the weights of DeepSeek's "absorbed" inference). A
+    position costs kv_lora_rank + rope_dim cache features, not heads * (head_dim + v_head_dim)."""
+
+    # DeepSeek's latent norms use this epsilon whatever the config's (as transformers builds them).
+    LATENT_NORM_EPS = 1e-6
+
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        H, D, self.rope_dim = config.n_head, config.dim, config.rope_dim
+        self.n_head, self.head_dim, self.v_head_dim = H, config.head_dim, config.v_head_dim
+        self.kv_lora_rank, nope = config.kv_lora_rank, config.head_dim - config.rope_dim
+        if config.q_lora_rank:
+            self.wq_a = nn.Linear(D, config.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(config.q_lora_rank, self.LATENT_NORM_EPS)
+            self.wq_b = nn.Linear(config.q_lora_rank, H * config.head_dim, bias=False)
+        else:
+            self.wq = nn.Linear(D, H * config.head_dim, bias=False)
+        self.wkv_a = nn.Linear(D, config.kv_lora_rank + config.rope_dim, bias=False)
+        self.kv_norm = RMSNorm(config.kv_lora_rank, self.LATENT_NORM_EPS)
+        # The up-projection of the latent to each head's keys (without RoPE) and values.
+        self.wk_b = nn.Parameter(torch.empty(H, nope, config.kv_lora_rank))
+        self.wv_b = nn.Parameter(torch.empty(H, config.v_head_dim, config.kv_lora_rank))
+        self.wo = nn.Linear(H * config.v_head_dim, D, bias=False)
+        self.scale = config.attention_scale or config.head_dim ** -0.5
+        self.kv_cache: Optional[KVCache] = None
+        self.attend_cache = None  # (kernels.py's attention kernels take Attention's layout only)
+
+    def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Optional[Tensor],
+                cache_rows: Optional[Tensor] = None) -> Tensor:
+        """As Attention.forward; mask rows are (head, position), all heads over the one latent."""
+        B, T, _ = x.shape
+        H, L, rd = self.n_head, self.kv_lora_rank, self.rope_dim
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
+        q_nope, q_rot = q.view(B, T, H, self.head_dim).split([self.head_dim - rd, rd], dim=-1)
+        latent, k_rot = self.wkv_a(x).split([L, rd], dim=-1)
+        q_rot, k_rot = apply_rope(q_rot, rope), apply_rope(k_rot[:, :, None], rope)
+        q = torch.cat([torch.einsum("bthn,hnl->bhtl", q_nope, self.wk_b), q_rot.transpose(1, 2)], dim=-1)
+        k = torch.cat([self.kv_norm(latent)[:, None], k_rot.transpose(1, 2)], dim=-1)  # (B, 1, T, L + rd)
+        self.kv_cache.update(input_pos, k, None, cache_rows)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, k[..., :L], is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            k, v = self.kv_cache.read(B, cache_rows, mask.shape[-1])
+            y = F.scaled_dot_product_attention(q.reshape(B, 1, H * T, L + rd), k.to(q.dtype), v.to(q.dtype),
+                                               attn_mask=mask, scale=self.scale).view(B, H, T, L)
+        return self.wo(torch.einsum("bhtl,hvl->bthv", y, self.wv_b).reshape(B, T, H * self.v_head_dim))
+
+
 def gelu_tanh(x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh")
 
@@ -541,7 +619,8 @@ class MoEFeedForward(nn.Module):
         self.top_k = config.num_activated_experts
         self.norm_topk_prob = config.norm_topk_prob
         self.sigmoid = config.router == "sigmoid"
-        self.groups = (config.expert_groups, config.expert_groups_used) if config.expert_groups > 1 else None
+        self.groups = ((config.expert_groups, config.expert_groups_used, config.expert_group_top)
+                       if config.expert_groups > 1 else None)
         self.routed_scale = config.routed_scale
         self.register_buffer("selection_bias", torch.zeros(E) if config.expert_selection_bias else None)
         self.act = ACTIVATIONS[config.hidden_act]
@@ -573,15 +652,12 @@ class MoEFeedForward(nn.Module):
         config has groups); renormalised unless the config says otherwise (Qwen3-MoE's
         norm_topk_prob=false), then scaled where it says so."""
         logits = self.gate(x).float()  # (N, E)
-        if not self.sigmoid:
-            weights, experts = torch.topk(F.softmax(logits, dim=-1), self.top_k, dim=-1)  # (N, k)
-        else:
-            scores = torch.sigmoid(logits)
-            choice = scores if self.selection_bias is None else scores + self.selection_bias.float()
-            if self.groups is not None:
-                choice = best_groups(choice, *self.groups)
-            experts = torch.topk(choice, self.top_k, dim=-1).indices
-            weights = scores.gather(1, experts)
+        scores = torch.sigmoid(logits) if self.sigmoid else F.softmax(logits, dim=-1)
+        choice = scores if self.selection_bias is None else scores + self.selection_bias.float()
+        if self.groups is not None:
+            choice = best_groups(choice, *self.groups)
+        experts = torch.topk(choice, self.top_k, dim=-1).indices  # (N, k)
+        weights = scores.gather(1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.routed_scale is not None:
@@ -652,11 +728,11 @@ class MoEFeedForward(nn.Module):
         return out
 
 
-def best_groups(choice: Tensor, groups: int, used: int) -> Tensor:
+def best_groups(choice: Tensor, groups: int, used: int, top: int) -> Tensor:
     """choice (N, E) with the experts outside each token's `used` best of `groups` groups at -inf;
-    a group's score is the sum of its two best experts' (DeepSeek V3's group-limited routing)."""
+    a group's score is the sum of its `top` best experts' (DeepSeek's group-limited routing)."""
     grouped = choice.view(choice.shape[0], groups, -1)  # (N, groups, E / groups)
-    best = torch.topk(grouped.topk(2, dim=-1).values.sum(-1), used, dim=-1).indices  # (N, used)
+    best = torch.topk(grouped.topk(top, dim=-1).values.sum(-1), used, dim=-1).indices  # (N, used)
     keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=choice.device).scatter(1, best, True)
     return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 

@@ -2,9 +2,9 @@
 """Tensor parallelism: shard a built single-device Transformer across torchrun's ranks.
 
 Megatron's split, applied from outside the model: every rank keeps a slice of the attention heads
-(query heads with their GQA key/value heads) and of the feed-forward hidden dimension (of every
-expert, for MoE), so each layer needs two all-reduces per step, after the attention and after
-the feed-forward. The vocab projection is split by rows and its logits all-gathered. Weights are
+(query heads with their GQA key/value heads; with DeepSeek's latent attention, a whole latent) and
+of the feed-forward hidden dimension (of every expert, for MoE), so each layer needs two all-reduces
+per step, after the attention and after the feed-forward. The vocab projection is split by rows and its logits all-gathered. Weights are
 sliced in place and the collectives added as forward hooks, through functional collectives so
 torch.compile(fullgraph=True) captures them.
 
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from model import MoEFeedForward, Transformer
+from model import LatentAttention, MoEFeedForward, Transformer
 
 # Where the model's own layers keep their (output, input) features in each stored tensor; None: no
 # such dim, kept whole. Modules that store weights otherwise (quantized.py's) declare `tp_layout`.
@@ -36,7 +36,9 @@ MOE_LAYOUT = {"w1": 1, "w3": 1, "w2": 2}  # (E, I, D), (E, I, D), (E, D, I)
 
 
 def check_divisible(config, world_size: int):
-    sizes = {"n_head": config.n_head, "n_local_heads (key/value heads)": config.n_local_heads}
+    sizes = {"n_head": config.n_head}
+    if not config.kv_lora_rank:  # (latent attention's one latent stays whole on every rank)
+        sizes["n_local_heads (key/value heads)"] = config.n_local_heads
     if not config.num_experts or config.dense_layers:
         sizes["intermediate_size"] = config.intermediate_size
     if config.num_experts:
@@ -63,6 +65,11 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
     shard = dict(rank=rank, world_size=world_size)
     for layer in model.layers:
         attn = layer.attention
+        if isinstance(attn, LatentAttention):
+            _shard_latent_attention(attn, **shard)
+            attn.register_forward_hook(_all_reduce_output(group))
+            _shard_feed_forward(layer.feed_forward, group, **shard)
+            continue
         q_dim, kv_dim = c.n_head * c.head_dim, c.n_local_heads * c.head_dim
         # Contiguous blocks of query heads and of kv heads: each rank's query heads keep their GQA kv heads.
         _shard_linear(attn.wqkv, "out", parts=[q_dim, kv_dim, kv_dim], **shard)
@@ -74,19 +81,7 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
             attn.q_norm = ShardedRMSNorm(attn.q_norm, group, **shard)
             attn.k_norm = ShardedRMSNorm(attn.k_norm, group, **shard)
         attn.register_forward_hook(_all_reduce_output(group))
-
-        ff = layer.feed_forward
-        if isinstance(ff, MoEFeedForward):
-            _shard_experts(ff, **shard)  # the router (ff.gate) stays whole: every rank picks the same experts
-            if ff.shared_expert is not None:  # split as a dense feed-forward; its gate (one output) stays whole
-                _shard_linear(ff.shared_expert.w1, "out", **shard)
-                _shard_linear(ff.shared_expert.w3, "out", **shard)
-                _shard_linear(ff.shared_expert.w2, "in", **shard)
-        else:
-            _shard_linear(ff.w1, "out", **shard)
-            _shard_linear(ff.w3, "out", **shard)
-            _shard_linear(ff.w2, "in", **shard)
-        ff.register_forward_hook(_all_reduce_output(group))
+        _shard_feed_forward(layer.feed_forward, group, **shard)
 
     # The vocab projection is a large share of a small model's bytes per token: split it
     # by rows and gather the logits. A tied tok_embeddings stays whole (a lookup reads only B*T rows),
@@ -95,10 +90,38 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
     model.output.register_forward_hook(_all_gather_logits(group, c.vocab_size))
 
     # setup_caches sizes the KV cache from the config: it must describe this rank's shard.
-    model.config = replace(c, n_head=c.n_head // world_size, n_local_heads=c.n_local_heads // world_size,
+    model.config = replace(c, n_head=c.n_head // world_size,
+                           n_local_heads=c.n_local_heads if c.kv_lora_rank else c.n_local_heads // world_size,
                            intermediate_size=c.intermediate_size // world_size,
                            moe_intermediate_size=c.moe_intermediate_size // world_size if c.num_experts else None)
     return model
+
+
+def _shard_feed_forward(ff: nn.Module, group, rank: int, world_size: int):
+    shard = dict(rank=rank, world_size=world_size)
+    if isinstance(ff, MoEFeedForward):
+        _shard_experts(ff, **shard)  # the router (ff.gate) stays whole: every rank picks the same experts
+        if ff.shared_expert is not None:  # split as a dense feed-forward; its gate (one output) stays whole
+            _shard_linear(ff.shared_expert.w1, "out", **shard)
+            _shard_linear(ff.shared_expert.w3, "out", **shard)
+            _shard_linear(ff.shared_expert.w2, "in", **shard)
+    else:
+        _shard_linear(ff.w1, "out", **shard)
+        _shard_linear(ff.w3, "out", **shard)
+        _shard_linear(ff.w2, "in", **shard)
+    ff.register_forward_hook(_all_reduce_output(group))
+
+
+def _shard_latent_attention(attn: LatentAttention, rank: int, world_size: int):
+    """Each rank keeps a block of the heads: their queries, their slices of the latent's up-projections
+    and of the output; the latent and its RoPE key (and the query bottleneck) are computed whole
+    by every rank, so each rank's cache holds the same latent."""
+    shard = dict(rank=rank, world_size=world_size)
+    _shard_linear(attn.wq_b if hasattr(attn, "wq_b") else attn.wq, "out", **shard)
+    for name in ("wk_b", "wv_b"):
+        _replace(attn, name, _take(getattr(attn, name), 0, rank, world_size))
+    _shard_linear(attn.wo, "in", **shard)
+    attn.n_head //= world_size
 
 
 class ShardedRMSNorm(nn.Module):

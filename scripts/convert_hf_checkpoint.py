@@ -7,6 +7,7 @@ config.json and the tokenizer files into CHECKPOINT_DIR. Every HF tensor must be
 """
 import argparse
 import json
+import math
 import re
 import shutil
 import sys
@@ -25,7 +26,8 @@ from rope import ROPE_TYPES, rope_type  # noqa: E402
 
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
              "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4", "gpt_oss", "ernie4_5",
-             "ministral3", "cohere", "cohere2", "olmoe", "granitemoe", "qwen2_moe", "glm4_moe", "dots1", "minimax_m2")
+             "ministral3", "cohere", "cohere2", "olmoe", "granitemoe", "qwen2_moe", "glm4_moe", "dots1", "minimax_m2",
+             "deepseek_v3", "deepseek_v2", "glm4_moe_lite")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 
@@ -99,6 +101,11 @@ FAMILY_WEIGHT_MAP = {
                 **{f"model.layers.{{}}.mlp.experts.{hf}{suffix}": f"layers.{{}}.feed_forward.{ours}{suffix}"
                    for hf, ours in (("gate_up_proj", "w13"), ("down_proj", "w2")) for suffix in
                    ("", "_bias", "_blocks", "_scales")}},
+    # DeepSeek's latent attention: kv_b (both up-projections) is split into wk_b and wv_b below.
+    **{family: {f"model.layers.{{}}.self_attn.{hf}.weight": f"layers.{{}}.attention.{ours}.weight" for hf, ours in (
+        ("q_a_proj", "wq_a"), ("q_a_layernorm", "q_norm"), ("q_b_proj", "wq_b"), ("q_proj", "wq"),
+        ("kv_a_proj_with_mqa", "wkv_a"), ("kv_a_layernorm", "kv_norm"), ("kv_b_proj", "wkv_b"))}
+       for family in ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")},
     # Granite 3's MoE: gate and up stacked per expert as [E, 2I, D], down as [E, D, I].
     "granitemoe": {"model.layers.{}.block_sparse_moe.input_linear.weight": "layers.{}.feed_forward.w13",
                    "model.layers.{}.block_sparse_moe.output_linear.weight": "layers.{}.feed_forward.w2",
@@ -145,6 +152,9 @@ HF_DEFAULTS = {
     "glm4_moe": dict(attention_bias=False, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True),
     "dots1": dict(norm_topk_prob=False, first_k_dense_replace=0, max_window_layers=62),
     "minimax_m2": dict(norm_topk_prob=True),
+    "deepseek_v3": dict(n_shared_experts=1, first_k_dense_replace=3, norm_topk_prob=True, rope_interleave=True),
+    "deepseek_v2": dict(n_shared_experts=2, first_k_dense_replace=0, topk_method="greedy"),
+    "glm4_moe_lite": dict(n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True, rope_interleave=True),
 }
 DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0, "cohere": 500_000.0,
                      "minimax_m2": 5_000_000.0}
@@ -158,12 +168,16 @@ POST_NORMS = ("olmo2", "olmo3", "exaone4")  # x + norm(f(x))
 # HF activation name -> ModelArgs.hidden_act
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 GEMMA = ("gemma2", "gemma3_text")
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "granitemoe", "glm4_moe", "dots1", "minimax_m2")
-# DeepSeek V3's mixture of experts: sigmoid routing with a selection bias, shared experts, dense first layers
-DEEPSEEK_MOE = ("glm4_moe", "dots1")
-SIGMOID_ROUTER = DEEPSEEK_MOE + ("minimax_m2",)
-# Checkpoints that keep multi-token-prediction layers after the last (GLM-4.5's): brisk does not run them
-MTP_LAYERS = ("glm4_moe", "minimax_m2")
+# DeepSeek's multi-head latent attention (kv_lora_rank)
+MLA = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")
+# DeepSeek's mixture of experts: groups, shared experts, dense first layers; V3's sigmoid routing with a
+# selection bias (V2 routes by softmax)
+DEEPSEEK_MOE = ("glm4_moe", "dots1") + MLA
+SIGMOID_ROUTER = ("glm4_moe", "dots1", "minimax_m2", "deepseek_v3", "glm4_moe_lite")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "granitemoe", "minimax_m2") + DEEPSEEK_MOE
+# Checkpoints that keep multi-token-prediction layers after the last (GLM-4.5's, DeepSeek V3's): brisk
+# does not run them
+MTP_LAYERS = ("glm4_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite")
 
 
 def text_model(hf: dict) -> dict:
@@ -223,9 +237,20 @@ def config_from_hf(hf: dict) -> ModelArgs:
     if model_type == "qwen2_moe":
         shared = hf.get("shared_expert_intermediate_size") or None
     if model_type in DEEPSEEK_MOE:
-        dense = list(range(min(hf["first_k_dense_replace"], n_layer))) or None
+        types = hf.get("mlp_layer_types")  # GLM-4.7-Flash's form
+        dense = ([i for i, t in enumerate(types) if t == "dense"] if types
+                 else list(range(min(hf["first_k_dense_replace"], n_layer)))) or None
         shared = hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0) or None
     groups = (hf.get("n_group") or 1, hf.get("topk_group") or 1) if model_type in DEEPSEEK_MOE else (1, 1)
+    if model_type == "deepseek_v2" and hf["topk_method"] not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"unsupported topk_method {hf['topk_method']!r}; supported: greedy, group_limited_greedy")
+    if model_type == "deepseek_v2" and hf["topk_method"] == "greedy":
+        groups = (1, 1)
+    mla = model_type in MLA
+    if mla:  # queries and keys of nope + rope dims, the rotated ones last; one latent for every head
+        head_dim, n_kv_heads = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], 1
+    else:
+        n_kv_heads = hf.get("num_key_value_heads") or n_head
     routed_scale = float(hf.get("routed_scaling_factor") or 1.0) if model_type in DEEPSEEK_MOE else 1.0
     no_rope = None
     if model_type == "smollm3":  # HF lists 1 for the layers that use RoPE
@@ -244,7 +269,7 @@ def config_from_hf(hf: dict) -> ModelArgs:
         n_head=n_head,
         dim=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"],
-        n_local_heads=hf.get("num_key_value_heads") or n_head,
+        n_local_heads=n_kv_heads,
         head_dim=head_dim,
         rope_base=rope_base,
         rope_scaling=rope_scaling,
@@ -270,9 +295,11 @@ def config_from_hf(hf: dict) -> ModelArgs:
         expert_selection_bias=model_type in SIGMOID_ROUTER,
         expert_groups=groups[0],
         expert_groups_used=groups[1],
+        expert_group_top=1 if model_type == "deepseek_v2" else 2,  # V2 ranks a group by its best expert
         routed_scale=routed_scale if routed_scale != 1.0 else None,
-        # (MiniMax M2 renormalises whatever its config says, as transformers does)
-        norm_topk_prob=model_type == "minimax_m2" or bool(hf.get("norm_topk_prob", True)),
+        # (MiniMax M2 renormalises whatever its config says, DeepSeek V2 never, as transformers does)
+        norm_topk_prob=(model_type == "minimax_m2"
+                        or model_type != "deepseek_v2" and bool(hf.get("norm_topk_prob", True))),
         dense_layers=dense,
         qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "exaone4": "head", "olmo2": "all",
                  "olmo3": "all", "olmoe": "all", "dots1": "head", "minimax_m2": "all",
@@ -284,16 +311,29 @@ def config_from_hf(hf: dict) -> ModelArgs:
         hidden_act=ACTIVATIONS[act],
         embedding_scale=hf["hidden_size"] ** 0.5 if gemma else hf["embedding_multiplier"] if granite else None,
         attention_scale=(hf["query_pre_attn_scalar"] ** -0.5 if gemma else hf["attention_multiplier"] if granite
-                         else None),
+                         else mla_attention_scale(head_dim, rope_scaling) if mla else None),
         residual_scale=hf["residual_multiplier"] if granite else None,
         logit_divisor=hf["logits_scaling"] if granite else 1 / hf["logit_scale"] if model_type in COHERE else None,
         attn_logit_softcap=hf.get("attn_logit_softcapping") if gemma else None,
         final_logit_softcap=hf.get("final_logit_softcapping") if gemma else None,
         sliding_window_layers=window_layers,
         rope_local_base=rope_local_base,
-        rope_dim=int(head_dim * partial),
+        rope_dim=hf["qk_rope_head_dim"] if mla else int(head_dim * partial),
         no_rope_layers=no_rope,
+        kv_lora_rank=hf["kv_lora_rank"] if mla else None,
+        q_lora_rank=hf.get("q_lora_rank") or None if mla else None,
+        v_head_dim=hf["v_head_dim"] if mla else None,
     )
+
+
+def mla_attention_scale(head_dim: int, rope_scaling: Optional[dict]) -> Optional[float]:
+    """DeepSeek's softmax scale: 1 / sqrt(head_dim), times YaRN's mscale (over mscale_all_dim) squared
+    where the context is stretched (transformers' yarn_apply_mscale); None where that is 1 / sqrt(head_dim)."""
+    scaling = rope_scaling or {}
+    if not scaling.get("mscale_all_dim") or scaling.get("factor", 1) <= 1:
+        return None
+    mscale = 0.1 * scaling["mscale_all_dim"] * math.log(scaling["factor"]) + 1.0
+    return head_dim ** -0.5 * mscale * mscale
 
 
 YARN_KEYS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
@@ -448,8 +488,9 @@ def rope_halves(w: torch.Tensor, heads: int, config: ModelArgs) -> torch.Tensor:
 
 
 def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "llama",
-                       multimodal: bool = False) -> dict:
-    """multimodal: the checkpoint holds more than the language model, whose tensors alone are kept."""
+                       multimodal: bool = False, hf_rope_interleave: bool = False) -> dict:
+    """multimodal: the checkpoint holds more than the language model, whose tensors alone are kept.
+    hf_rope_interleave: DeepSeek V3's rope_interleave (RoPE on neighbouring pairs of the rotated dims)."""
     weight_map = {**WEIGHT_MAP, **FAMILY_WEIGHT_MAP.get(model_type, {})}
     state, mtp = {}, set()
     for name, tensor in hf_state.items():
@@ -466,7 +507,9 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
         state.pop("output.weight", None)  # the loader ties it to tok_embeddings
     for i in range(config.n_layer):
         p = f"layers.{i}.attention."
-        for kind in ("weight", "bias"):
+        if config.kv_lora_rank:
+            latent_attention(state, p, config, interleaved=model_type == "deepseek_v2" or hf_rope_interleave)
+        for kind in ("weight", "bias") if not config.kv_lora_rank else ():
             parts = [state.pop(p + f"w{x}.{kind}", None) for x in "qkv"]
             if all(t is not None for t in parts):
                 state[p + f"wqkv.{kind}"] = torch.cat(parts)
@@ -493,6 +536,24 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
                     raise ValueError(f"layer {i}: {w} is missing experts in the HF checkpoint")
                 state[f + w] = torch.stack(experts)
     return state
+
+
+def latent_attention(state: dict, p: str, config: ModelArgs, interleaved: bool):
+    """DeepSeek's attention weights (names under prefix p): kv_b [heads * (nope + v), latent] split into
+    wk_b [heads, nope, latent] and wv_b [heads, v, latent]; where RoPE rotates neighbouring pairs, the
+    rotated rows of the queries (each head's last rope_dim) and of the shared key (wkv_a's last) are
+    reordered to the halves model.py rotates (q and k move alike: the scores do not change)."""
+    H, hd, rd = config.n_head, config.head_dim, config.rope_dim
+    if p + "wkv_b.weight" in state:  # (llama.cpp's newer GGUF files keep the two apart)
+        kv_b = state.pop(p + "wkv_b.weight").view(H, hd - rd + config.v_head_dim, config.kv_lora_rank)
+        state[p + "wk_b"], state[p + "wv_b"] = kv_b[:, :hd - rd].contiguous(), kv_b[:, hd - rd:].contiguous()
+    if interleaved:
+        pairs = torch.cat([torch.arange(0, rd, 2), torch.arange(1, rd, 2)])
+        q = p + ("wq_b.weight" if config.q_lora_rank else "wq.weight")
+        order = torch.cat([torch.arange(hd - rd), hd - rd + pairs])
+        state[q] = state[q].view(H, hd, -1)[:, order].reshape(H * hd, -1)
+        kv_a = state[p + "wkv_a.weight"]
+        state[p + "wkv_a.weight"] = kv_a[torch.cat([torch.arange(config.kv_lora_rank), config.kv_lora_rank + pairs])]
 
 
 def gpt_oss_experts(state: dict, f: str):
@@ -613,7 +674,9 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output_dir: Path = None) -> Path
     if (block := fp8_block(hf_config)) is not None:
         print(f"dequantizing the FP8 weights ({block[0]}x{block[1]} blocks)", file=sys.stderr, flush=True)
         hf_state = fp8_dequantized(hf_state, block)
-    state = convert_state_dict(hf_state, config, hf_config["model_type"], multimodal=hf_config is not outer)
+    state = convert_state_dict(hf_state, config, hf_config["model_type"], multimodal=hf_config is not outer,
+                               hf_rope_interleave=bool({**HF_DEFAULTS.get(hf_config["model_type"], {}),
+                                                        **hf_config}.get("rope_interleave")))
     check_against_model(state, config)
 
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -123,6 +123,24 @@ FAMILIES = {
     "minimax_m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2Config", dict(
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, head_dim=16,
         rotary_dim=8, bos_token_id=1, eos_token_id=0)),
+    # DeepSeek V3 (also Kimi K2's architecture): latent attention (a query bottleneck, RoPE on neighbouring
+    # pairs of the rotated dims, values narrower than keys) before V3's experts (2 groups, 1 used).
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        pad_token_id=0)),
+    # DeepSeek V2 (-Lite): the queries by one projection, softmax routing (top-k as given), 2 shared experts.
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
+        num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=2, first_k_dense_replace=1, pad_token_id=0)),
+    # GLM-4.7-Flash (glm4_moe_lite): DeepSeek V3's attention and experts, its dense layers listed by type.
+    "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig", dict(
+        num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, routed_scaling_factor=1.8, mlp_layer_types=["dense", "sparse", "dense"],
+        pad_token_id=0, bos_token_id=1, eos_token_id=0)),
     # Granite 3's multipliers (its 8B: 12, 1/128, 0.22, 16); untied: the tests' wide random
     # embeddings, times 12 and tied, would make greedy repeat the last token.
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(

@@ -5,6 +5,7 @@ every window) and 40-token greedy tests; here: more configurations of each, the 
 refusals, int8, and the compiled decode step (slow).
 """
 import json
+import math
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ from scripts.convert_hf_checkpoint import config_from_hf, convert_hf_checkpoint
 
 NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3", "olmo2", "olmo3",
                 "exaone4", "seed_oss", "glm4", "glm", "gpt_oss", "ernie4_5", "ministral3", "cohere",
-                "cohere2", "olmoe", "granitemoe", "qwen2_moe", "granite", "glm4_moe", "dots1", "minimax_m2"]
+                "cohere2", "olmoe", "granitemoe", "qwen2_moe", "granite", "glm4_moe", "dots1", "minimax_m2",
+                "deepseek_v3", "deepseek_v2", "glm4_moe_lite"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -51,6 +53,14 @@ VARIANTS = {
     # GLM-4.5 with per-head q/k norms (use_qk_norm), four groups of two, two chosen from, top-k unnormalised.
     "glm4_moe_qk_norm_groups": ("glm4_moe", dict(use_qk_norm=True, n_group=4, topk_group=2, norm_topk_prob=False,
                                                  first_k_dense_replace=0, n_shared_experts=2)),
+    # DeepSeek V3 with RoPE on halves (rope_interleave false: no reorder), no query bottleneck, and DeepSeek's
+    # YaRN (mscale over mscale_all_dim; the softmax scale times mscale_all_dim's squared).
+    "deepseek_v3_halves_yarn": ("deepseek_v3", dict(rope_interleave=False, q_lora_rank=None, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32, beta_fast=32.0,
+        beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8))),
+    # DeepSeek V2's group-limited routing: 4 groups ranked by their best expert, 2 used.
+    "deepseek_v2_groups": ("deepseek_v2", dict(n_routed_experts=8, n_group=4, topk_group=2,
+                                               topk_method="group_limited_greedy", routed_scaling_factor=1.5)),
     # YaRN as Qwen3's model card adds it for long contexts: the factor, the original context.
     "qwen3_yarn": ("qwen3", dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                                       original_max_position_embeddings=64))),
@@ -122,6 +132,11 @@ EXPECTED_CONFIG = {
                   qk_norm="head", sliding_window_layers=[2]),
     "minimax_m2": dict(router="sigmoid", expert_selection_bias=True, routed_scale=None, norm_topk_prob=True,
                        qk_norm="all", rope_dim=8, rope_base=5e6),
+    "deepseek_v3": dict(kv_lora_rank=16, q_lora_rank=32, v_head_dim=12, head_dim=24, rope_dim=8, n_local_heads=1,
+                        router="sigmoid", expert_groups=2, routed_scale=2.5, dense_layers=[0]),
+    "deepseek_v2": dict(kv_lora_rank=16, q_lora_rank=None, router="softmax", expert_selection_bias=False,
+                        norm_topk_prob=False, shared_expert_size=64),
+    "glm4_moe_lite": dict(kv_lora_rank=16, v_head_dim=24, dense_layers=[0, 2], routed_scale=1.8),
 }
 
 
@@ -152,7 +167,9 @@ def test_longrope_long_factors_past_the_original_context(converted):
 # tokens take (logits 12-15% off, each feed-forward 1%): with every expert active the bound measures the
 # products, not the flips.
 INT8_OVERRIDES = {"gpt_oss": dict(num_experts_per_tok=4), "glm4_moe": dict(n_group=1, num_experts_per_tok=8),
-                  "dots1": dict(num_experts_per_tok=4), "minimax_m2": dict(num_experts_per_tok=4)}
+                  "dots1": dict(num_experts_per_tok=4), "minimax_m2": dict(num_experts_per_tok=4),
+                  "deepseek_v3": dict(n_group=1, num_experts_per_tok=8), "deepseek_v2": dict(num_experts_per_tok=4),
+                  "glm4_moe_lite": dict(num_experts_per_tok=4)}
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
@@ -259,7 +276,7 @@ def test_yarn_in_the_hubs_form():
     assert (config.rope_base, config.rope_local_base, config.rope_scaling["factor"]) == (5e5, 5e5, 8.0)
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "cohere2", "qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["gpt_oss", "cohere2", "qwen2_moe", "glm4_moe", "deepseek_v3"])
 def test_packed_for_the_cpu_matches_transformers(family, tmp_path):
     """Packed for kernels.cpp, what its kernels do not do stays model.py's: gpt-oss's attention with
     sinks (its biased o_proj on the packed products), Cohere's LayerNorms (rowwise.cpp's norm does not
@@ -395,14 +412,15 @@ def test_selection_bias_stays_fp32_under_bf16(converted):
         assert moe.selection_bias.dtype == torch.float32 and model.norm.weight.dtype == torch.bfloat16
 
 
-def save_fp8(hf, hf_dir, block=(16, 16)):
+def save_fp8(hf, hf_dir, block=(8, 8)):
     """hf saved as the hub's block-wise FP8 releases are (DeepSeek V3's format): each projection's weight
     in float8_e4m3fn with a float32 scale per block (`weight_scale_inv`); embeddings, norms, routers and
     the output layer as they are."""
     from safetensors.torch import load_file, save_file
     hf.save_pretrained(hf_dir)
     state = load_file(hf_dir / "model.safetensors")
-    for name in [n for n in state if n.endswith(("proj.weight", "w1.weight", "w2.weight", "w3.weight"))]:
+    for name in [n for n in state if n.endswith(("proj.weight", "proj_with_mqa.weight", "w1.weight", "w2.weight",
+                                                  "w3.weight"))]:
         w = state[name]
         rows, cols = w.shape
         blocks = w.reshape(rows // block[0], block[0], cols // block[1], block[1])
@@ -416,7 +434,7 @@ def save_fp8(hf, hf_dir, block=(16, 16)):
     (hf_dir / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "glm4_moe", "minimax_m2"])
+@pytest.mark.parametrize("family", ["qwen3", "glm4_moe", "minimax_m2", "deepseek_v3"])
 def test_fp8_checkpoint_matches_transformers_dequantized(family, tmp_path):
     """A block-wise FP8 release converts to the weights transformers dequantizes from it (on a CPU it
     loads FP8 checkpoints so): dense and per-expert projections, the scale of each block."""
@@ -431,3 +449,25 @@ def test_fp8_checkpoint_matches_transformers_dequantized(family, tmp_path):
     got = our_logits(model, ids)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert (got - unquantized).abs().max() > 1e-3  # FP8 rounded the weights: the scales were applied, not skipped
+
+
+def test_deepseek_v3_hub_config():
+    """DeepSeek V3's (and Kimi K2's) hub config.json: hub key names, YaRN in the old form, whose
+    mscale_all_dim also scales the softmax (by its mscale squared, as transformers' yarn_apply_mscale)."""
+    hub = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+               moe_intermediate_size=2048, num_hidden_layers=61, num_nextn_predict_layers=1, num_attention_heads=128,
+               num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5,
+               kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+               topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3,
+               norm_topk_prob=True, scoring_func="sigmoid", hidden_act="silu", max_position_embeddings=163840,
+               rms_norm_eps=1e-6, rope_theta=10000, tie_word_embeddings=False, attention_bias=False,
+               rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "original_max_position_embeddings": 4096, "type": "yarn"})
+    c = config_from_hf(hub)
+    assert (c.head_dim, c.rope_dim, c.v_head_dim, c.n_local_heads, c.kv_lora_rank, c.q_lora_rank) == (
+        192, 64, 128, 1, 512, 1536)
+    assert (c.num_experts, c.expert_groups, c.expert_groups_used, c.routed_scale, c.shared_expert_size,
+            c.dense_layers, c.router) == (256, 8, 4, 2.5, 2048, [0, 1, 2], "sigmoid")
+    mscale = 0.1 * math.log(40) + 1
+    assert c.attention_scale == pytest.approx(192 ** -0.5 * mscale ** 2)
+    assert c.rope_scaling["mscale"] == c.rope_scaling["mscale_all_dim"] == 1.0

@@ -78,6 +78,8 @@ def checkpoints(tmp_path_factory):
         "qwen2_moe": save_and_convert(make_hf_model("qwen2_moe"), root / "qwen2_moe"),
         # Sigmoid routing within groups, the selection bias whole on every rank, shared experts split.
         "glm4_moe": save_and_convert(make_hf_model("glm4_moe"), root / "glm4_moe"),
+        # Latent attention: heads split, the latent whole on every rank.
+        "deepseek_v3": save_and_convert(make_hf_model("deepseek_v3"), root / "deepseek_v3"),
     }
     paths["qwen2_int8"] = quantize.quantize_checkpoint(paths["qwen2"], "int8")
     paths["llama_odd_vocab_int4"] = quantize.quantize_checkpoint(paths["llama_odd_vocab"], "int4", 32)
@@ -86,6 +88,7 @@ def checkpoints(tmp_path_factory):
     paths["qwen3_moe_int8"] = quantize.quantize_checkpoint(paths["qwen3_moe"], "int8")
     paths["gpt_oss_int8"] = quantize.quantize_checkpoint(paths["gpt_oss"], "int8")
     paths["glm4_moe_int8"] = quantize.quantize_checkpoint(paths["glm4_moe"], "int8")
+    paths["deepseek_v3_int8"] = quantize.quantize_checkpoint(paths["deepseek_v3"], "int8")
     return paths
 
 
@@ -101,7 +104,8 @@ def tp_results(checkpoints, tmp_path_factory):
 @pytest.mark.parametrize("name", ["qwen2", "llama_odd_vocab", "moe", "olmo2", "qwen3_moe", "qwen2_int8:dequant",
                                   "llama_odd_vocab_int4:dequant", "moe_int8:dequant", "moe_int4:dequant",
                                   "qwen3_moe_int8:dequant", "gpt_oss", "gpt_oss_int8:dequant", "cohere2",
-                                  "qwen2_moe", "glm4_moe", "glm4_moe_int8:dequant"])
+                                  "qwen2_moe", "glm4_moe", "glm4_moe_int8:dequant", "deepseek_v3",
+                                  "deepseek_v3_int8:dequant"])
 def test_tp_matches_single_process(name, checkpoints, tp_results):
     """Sharded == whole to fp32 precision (quantized layers on the fp32 dequantize path)."""
     name, _, variant = name.partition(":")
