@@ -24,11 +24,12 @@ from errors import check_output_dir, error_boundary  # noqa: E402
 from load import atomic_save, atomic_write, atomic_write_text  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from rope import rope_frequencies  # noqa: E402
-from scripts.convert_hf_checkpoint import check_against_model, rope_halves, split_gate_up  # noqa: E402
+from scripts.convert_hf_checkpoint import (check_against_model, latent_attention, mla_attention_scale,  # noqa: E402
+                                           rope_halves, split_gate_up)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "olmo2", "exaone4",
                            "seed_oss", "glm4", "ernie4_5", "granite", "gpt-oss", "command-r", "cohere2", "glm4moe",
-                           "dots1", "minimax-m2")
+                           "dots1", "minimax-m2", "deepseek2")
 # DeepSeek V3's routing (sigmoid, a selection bias): llama.cpp's default for these where the file names none
 SIGMOID_ROUTER = ("glm4moe", "dots1", "minimax-m2")
 GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
@@ -77,6 +78,15 @@ WEIGHT_MAP = {
     "blk.{}.ffn_gate_shexp.weight": "layers.{}.feed_forward.shared_expert.w1.weight",
     "blk.{}.ffn_up_shexp.weight": "layers.{}.feed_forward.shared_expert.w3.weight",
     "blk.{}.ffn_down_shexp.weight": "layers.{}.feed_forward.shared_expert.w2.weight",
+    # DeepSeek's latent attention (deepseek2: DeepSeek V2 / V3, Kimi K2, GLM-4.7-Flash)
+    "blk.{}.attn_q_a.weight": "layers.{}.attention.wq_a.weight",
+    "blk.{}.attn_q_a_norm.weight": "layers.{}.attention.q_norm.weight",
+    "blk.{}.attn_q_b.weight": "layers.{}.attention.wq_b.weight",
+    "blk.{}.attn_kv_a_mqa.weight": "layers.{}.attention.wkv_a.weight",
+    "blk.{}.attn_kv_a_norm.weight": "layers.{}.attention.kv_norm.weight",
+    "blk.{}.attn_kv_b.weight": "layers.{}.attention.wkv_b.weight",
+    "blk.{}.attn_k_b.weight": "layers.{}.attention.wk_b",  # [heads, latent, nope]: transposed on reading
+    "blk.{}.attn_v_b.weight": "layers.{}.attention.wv_b",
 }
 # Phi-3 and GLM-4 keep gate and up fused in ffn_up as [2I, D]; llama.cpp names Seed-OSS's and gpt-oss's
 # pre-feed-forward norm after its HF name (post_attention_layernorm).
@@ -169,7 +179,9 @@ def config_from_gguf(reader) -> ModelArgs:
     # GLM-4.5's multi-token-prediction layers follow the model's own (convert_tensors leaves them out)
     n_layer = get("block_count") - field(reader, f"{arch}.nextn_predict_layers", 0)
     rope_dim = field(reader, f"{arch}.rope.dimension_count")
-    head_dim = get("attention.key_length", rope_dim if arch in PERMUTED and rope_dim else dim // n_head)
+    mla = arch == "deepseek2"  # the key length is the latent's there (kv_lora_rank + rope_dim), the heads' is _mla's
+    head_dim = get("attention.key_length_mla" if mla else "attention.key_length",
+                   rope_dim if arch in PERMUTED and rope_dim else dim // n_head)
     rope_base = float(get("rope.freq_base", 10000.0))
     experts = get("expert_count", 0)
     # A MoE file whose layer has no router keeps the dense feed-forward there.
@@ -187,8 +199,14 @@ def config_from_gguf(reader) -> ModelArgs:
     gating = field(reader, f"{arch}.expert_gating_func")
     if gating is not None and gating not in GATING:
         raise ValueError(f"unsupported {arch}.expert_gating_func {gating}; supported: 1 (softmax), 2 (sigmoid)")
-    router = GATING.get(gating, "sigmoid" if arch in SIGMOID_ROUTER else "softmax")
-    shared = tensors.get(f"blk.{n_layer - 1}.ffn_up_shexp.weight")
+    sparse = next((i for i in range(n_layer) if i not in dense), 0)  # a layer with experts
+    shared = tensors.get(f"blk.{sparse}.ffn_up_shexp.weight")
+    selection_bias = f"blk.{sparse}.exp_probs_b.bias" in tensors
+    # Without the key: sigmoid for the families that route so, and for a deepseek2 file with the selection
+    # bias, which came with it (DeepSeek V3, GLM-4.7-Flash: llama.cpp's early files of it lack the key)
+    router = GATING.get(gating, "sigmoid" if arch in SIGMOID_ROUTER or mla and selection_bias else "softmax")
+    # DeepSeek V2 (softmax) ranks a group by its best expert, V3 (sigmoid) by its two best
+    group_top = 1 if mla and router == "softmax" else 2
     routed_scale = field(reader, f"{arch}.expert_weights_scale")
     if gpt_oss and rope_scaling:  # its YaRN ramp is not rounded to whole dimensions (its HF config's truncate: false)
         rope_scaling["truncate"] = False
@@ -218,12 +236,14 @@ def config_from_gguf(reader) -> ModelArgs:
         moe_intermediate_size=field(reader, f"{arch}.expert_feed_forward_length"),
         shared_expert_size=int(shared.shape[1]) if shared is not None else None,
         router=router,
-        expert_selection_bias=f"blk.{n_layer - 1}.exp_probs_b.bias" in tensors,
+        expert_selection_bias=selection_bias,
         expert_groups=field(reader, f"{arch}.expert_group_count") or 1,
         expert_groups_used=field(reader, f"{arch}.expert_group_used_count") or 1,
+        expert_group_top=group_top,
         routed_scale=float(routed_scale) if routed_scale not in (None, 0.0, 1.0) else None,
-        # llama.cpp renormalises the top-k weights of qwen3moe (and MiniMax M2's) unless the file says otherwise.
-        norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", True)),
+        # llama.cpp renormalises the top-k weights of qwen3moe (and MiniMax M2's) unless the file says
+        # otherwise; DeepSeek's only where it says so.
+        norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", not mla)),
         dense_layers=dense or None,
         qk_norm=("all" if arch in ("olmo2", "minimax-m2") else "head" if "blk.0.attn_q_norm.weight" in tensors
                  else None),
@@ -235,6 +255,7 @@ def config_from_gguf(reader) -> ModelArgs:
         # Granite's multipliers: llama.cpp's names, absent where the file leaves them out.
         embedding_scale=dim ** 0.5 if gemma else field(reader, f"{arch}.embedding_scale"),
         attention_scale=(gemma_attention_scale(arch, n_layer, dim, n_head, head_dim) if gemma
+                         else mla_attention_scale(head_dim, rope_scaling) if mla
                          else field(reader, f"{arch}.attention.scale")),
         residual_scale=field(reader, f"{arch}.residual_scale"),
         # logit_scale divides Granite's logits and multiplies Cohere's (llama.cpp reads it so)
@@ -247,6 +268,9 @@ def config_from_gguf(reader) -> ModelArgs:
         # A windowed EXAONE 4 or Cohere2 rotates its local layers only.
         no_rope_layers=[i for i in range(n_layer) if i not in (local_layers or range(n_layer))] or None
         if arch in ("exaone4", "cohere2") and window else None,
+        kv_lora_rank=get("attention.kv_lora_rank") if mla else None,
+        q_lora_rank=field(reader, f"{arch}.attention.q_lora_rank") or None if mla else None,
+        v_head_dim=get("attention.value_length_mla") if mla else None,
     )
 
 
@@ -282,6 +306,8 @@ def rope_scaling_from_gguf(reader, arch, tensors, head_dim, rope_base):
                 scaling[key] = value
         if log_mul := field(reader, f"{arch}.rope.scaling.yarn_log_multiplier"):  # DeepSeek's mscale_all_dim (mscale 1)
             scaling.update(mscale=1.0, mscale_all_dim=log_mul)
+            if arch == "deepseek2":  # a tenth of it there, and DeepSeek's mscale equal to it (llama.cpp reads it so)
+                scaling.update(mscale=round(10 * log_mul, 6), mscale_all_dim=round(10 * log_mul, 6))
         return scaling
     if kind != "none":
         raise ValueError(f"unsupported GGUF rope scaling {kind!r}; supported: linear, yarn, LLaMA 3 rope_freqs")
@@ -387,10 +413,14 @@ def convert_tensors(reader, config: ModelArgs, dtype=None) -> dict:
             if config.norm_offset and t.name.endswith("norm.weight"):
                 # llama.cpp stores Gemma's norms as 1 + weight; brisk keeps weight (model.RMSNorm adds the 1).
                 w = (w.float() - config.norm_offset).to(w.dtype)
-            state[rename(t.name, weight_map)] = w
+            name = rename(t.name, weight_map)
+            state[name] = w.transpose(1, 2).contiguous() if name.endswith("attention.wk_b") else w
     for i in range(config.n_layer):
         p = f"layers.{i}.attention."
         f = f"layers.{i}.feed_forward."
+        if config.kv_lora_rank:  # llama.cpp keeps DeepSeek's RoPE on neighbouring pairs (its "norm" rope type)
+            latent_attention(state, p, config, interleaved=True)
+            continue
         if f + "w13.weight" in state:  # Phi-3's fused gate and up
             state[f + "w1.weight"], state[f + "w3.weight"] = split_gate_up(state.pop(f + "w13.weight"))
         if p + "wqkv.weight" in state:

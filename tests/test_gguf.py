@@ -298,6 +298,10 @@ def test_family_gguf_matches_transformers(case, tmp_path):
         torch.testing.assert_close(our_logits(load_model(path), ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
 
 
+# DeepSeek V2-Lite's YaRN: mscale equal to mscale_all_dim, both below 1.
+FAMILY_ROUND_TRIPS_YARN = dict(rope_parameters=dict(
+    rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32, beta_fast=32.0,
+    beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707))
 # Families whose GGUF comes from llama.cpp's own converter below: conftest family, overrides.
 LLAMA_CPP_CONVERTED = {
     "llama31": ("llama31", {}),
@@ -318,6 +322,10 @@ LLAMA_CPP_CONVERTED = {
     "glm4_moe_mtp": ("glm4_moe", {"num_hidden_layers": 4, "mtp": 1}),
     "dots1": ("dots1", {"sliding_window": None}),  # llama.cpp has no window for dots1 (the hub's has none)
     "minimax_m2": ("minimax_m2", {}),
+    # Latent attention (architecture deepseek2): kv_b split and transposed, RoPE on pairs, YaRN's log multiplier
+    "deepseek_v3": ("deepseek_v3", {"scoring_func": "sigmoid"}),  # as the hub's config says (llama.cpp reads it)
+    "deepseek_v2_yarn": ("deepseek_v2", FAMILY_ROUND_TRIPS_YARN),
+    "glm4_moe_lite": ("glm4_moe_lite", {}),
 }
 
 
