@@ -81,7 +81,7 @@ class ModelArgs:
     sliding_window_layers: Optional[list] = None  # layers that use sliding_window; None: all of them
     rope_local_base: Optional[float] = None  # RoPE base of the sliding-window layers, unscaled (Gemma 3)
     rope_dim: Optional[int] = None  # leading dims of each head that RoPE rotates (partial rotary); None: head_dim
-    # Multi-head latent attention (DeepSeek V2 / V3, Kimi K2, GLM-4.7-Flash), on where kv_lora_rank is set:
+    # Multi-head latent attention (DeepSeek V2 / V3, GLM-4.7-Flash), on where kv_lora_rank is set:
     # keys and values come from one latent of kv_lora_rank features per position, which the cache keeps
     # beside the RoPE key all heads share (n_local_heads 1); queries through a q_lora_rank bottleneck
     # (None: one projection). Query and key heads are head_dim wide, their last rope_dim rotated; values

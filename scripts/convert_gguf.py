@@ -78,7 +78,7 @@ WEIGHT_MAP = {
     "blk.{}.ffn_gate_shexp.weight": "layers.{}.feed_forward.shared_expert.w1.weight",
     "blk.{}.ffn_up_shexp.weight": "layers.{}.feed_forward.shared_expert.w3.weight",
     "blk.{}.ffn_down_shexp.weight": "layers.{}.feed_forward.shared_expert.w2.weight",
-    # DeepSeek's latent attention (deepseek2: DeepSeek V2 / V3, Kimi K2, GLM-4.7-Flash)
+    # DeepSeek's latent attention (deepseek2: DeepSeek V2 / V3, GLM-4.7-Flash)
     "blk.{}.attn_q_a.weight": "layers.{}.attention.wq_a.weight",
     "blk.{}.attn_q_a_norm.weight": "layers.{}.attention.q_norm.weight",
     "blk.{}.attn_q_b.weight": "layers.{}.attention.wq_b.weight",

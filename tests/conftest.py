@@ -123,7 +123,7 @@ FAMILIES = {
     "minimax_m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2Config", dict(
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, head_dim=16,
         rotary_dim=8, bos_token_id=1, eos_token_id=0)),
-    # DeepSeek V3 (also Kimi K2's architecture): latent attention (a query bottleneck, RoPE on neighbouring
+    # DeepSeek V3: latent attention (a query bottleneck, RoPE on neighbouring
     # pairs of the rotated dims, values narrower than keys) before V3's experts (2 groups, 1 used).
     "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
         num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,

@@ -452,7 +452,7 @@ def test_fp8_checkpoint_matches_transformers_dequantized(family, tmp_path):
 
 
 def test_deepseek_v3_hub_config():
-    """DeepSeek V3's (and Kimi K2's) hub config.json: hub key names, YaRN in the old form, whose
+    """DeepSeek V3's hub config.json: hub key names, YaRN in the old form, whose
     mscale_all_dim also scales the softmax (by its mscale squared, as transformers' yarn_apply_mscale)."""
     hub = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                moe_intermediate_size=2048, num_hidden_layers=61, num_nextn_predict_layers=1, num_attention_heads=128,
