@@ -491,9 +491,7 @@ class Attention(nn.Module):
             rotate = self.rotate if self.rotate is not None and not torch.compiler.is_compiling() else apply_rope
             q, k = rotate(q, rope), rotate(k, rope)
         if self.query_scale is not None:
-            beta, length = self.query_scale
-            scale = 1 + beta * torch.log1p(torch.floor(input_pos / length))  # (T,) or (B, T)
-            q = q * scale.to(q.dtype)[..., None, None]
+            q = q * long_context_query_scale(input_pos, *self.query_scale).to(q.dtype)[..., None, None]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
         self.kv_cache.update(input_pos, k, v, cache_rows)
         if mask is None:
@@ -556,6 +554,7 @@ class LatentAttention(nn.Module):
         self.wv_b = nn.Parameter(torch.empty(H, config.v_head_dim, config.kv_lora_rank))
         self.wo = nn.Linear(H * config.v_head_dim, D, bias=False)
         self.scale = config.attention_scale or config.head_dim ** -0.5
+        self.query_scale = (config.query_scale_beta, config.query_scale_length) if config.query_scale_beta else None
         self.kv_cache: Optional[KVCache] = None
         self.attend_cache = None  # (kernels.py's attention kernels take Attention's layout only)
 
@@ -569,6 +568,8 @@ class LatentAttention(nn.Module):
         latent, k_rot = self.wkv_a(x).split([L, rd], dim=-1)
         q_rot, k_rot = apply_rope(q_rot, rope), apply_rope(k_rot[:, :, None], rope)
         q = torch.cat([torch.einsum("bthn,hnl->bhtl", q_nope, self.wk_b), q_rot.transpose(1, 2)], dim=-1)
+        if self.query_scale is not None:  # (Mistral 4)
+            q = q * long_context_query_scale(input_pos, *self.query_scale).to(q.dtype)[..., None].unsqueeze(-3)
         k = torch.cat([self.kv_norm(latent)[:, None], k_rot.transpose(1, 2)], dim=-1)  # (B, 1, T, L + rd)
         self.kv_cache.update(input_pos, k, None, cache_rows)
         if mask is None:
@@ -578,6 +579,11 @@ class LatentAttention(nn.Module):
             y = F.scaled_dot_product_attention(q.reshape(B, 1, H * T, L + rd), k.to(q.dtype), v.to(q.dtype),
                                                attn_mask=mask, scale=self.scale).view(B, H, T, L)
         return self.wo(torch.einsum("bhtl,hvl->bthv", y, self.wv_b).reshape(B, T, H * self.v_head_dim))
+
+
+def long_context_query_scale(input_pos: Tensor, beta: float, length: int) -> Tensor:
+    """Llama 4's query scaling by position ([T] or [B, T]): 1 within the original context `length`."""
+    return 1 + beta * torch.log1p(torch.floor(input_pos / length))
 
 
 def gelu_tanh(x: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ from rope import ROPE_TYPES, rope_type  # noqa: E402
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
              "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4", "gpt_oss", "ernie4_5",
              "ministral3", "cohere", "cohere2", "olmoe", "granitemoe", "qwen2_moe", "glm4_moe", "dots1", "minimax_m2",
-             "deepseek_v3", "deepseek_v2", "glm4_moe_lite")
+             "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 
@@ -105,7 +105,7 @@ FAMILY_WEIGHT_MAP = {
     **{family: {f"model.layers.{{}}.self_attn.{hf}.weight": f"layers.{{}}.attention.{ours}.weight" for hf, ours in (
         ("q_a_proj", "wq_a"), ("q_a_layernorm", "q_norm"), ("q_b_proj", "wq_b"), ("q_proj", "wq"),
         ("kv_a_proj_with_mqa", "wkv_a"), ("kv_a_layernorm", "kv_norm"), ("kv_b_proj", "wkv_b"))}
-       for family in ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")},
+       for family in ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4")},
     # Granite 3's MoE: gate and up stacked per expert as [E, 2I, D], down as [E, D, I].
     "granitemoe": {"model.layers.{}.block_sparse_moe.input_linear.weight": "layers.{}.feed_forward.w13",
                    "model.layers.{}.block_sparse_moe.output_linear.weight": "layers.{}.feed_forward.w2",
@@ -155,6 +155,7 @@ HF_DEFAULTS = {
     "deepseek_v3": dict(n_shared_experts=1, first_k_dense_replace=3, norm_topk_prob=True, rope_interleave=True),
     "deepseek_v2": dict(n_shared_experts=2, first_k_dense_replace=0, topk_method="greedy"),
     "glm4_moe_lite": dict(n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True, rope_interleave=True),
+    "mistral4": dict(n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=True, rope_interleave=True),
 }
 DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0, "cohere": 500_000.0,
                      "minimax_m2": 5_000_000.0}
@@ -169,9 +170,9 @@ POST_NORMS = ("olmo2", "olmo3", "exaone4")  # x + norm(f(x))
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 GEMMA = ("gemma2", "gemma3_text")
 # DeepSeek's multi-head latent attention (kv_lora_rank)
-MLA = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")
+MLA = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4")
 # DeepSeek's mixture of experts: groups, shared experts, dense first layers; V3's sigmoid routing with a
-# selection bias (V2 routes by softmax)
+# selection bias (V2 and Mistral 4 route by softmax)
 DEEPSEEK_MOE = ("glm4_moe", "dots1") + MLA
 SIGMOID_ROUTER = ("glm4_moe", "dots1", "minimax_m2", "deepseek_v3", "glm4_moe_lite")
 MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "granitemoe", "minimax_m2") + DEEPSEEK_MOE

@@ -141,6 +141,15 @@ FAMILIES = {
         qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         n_shared_experts=1, routed_scaling_factor=1.8, mlp_layer_types=["dense", "sparse", "dense"],
         pad_token_id=0, bos_token_id=1, eos_token_id=0)),
+    # Mistral 4 (Mistral Small 4): DeepSeek V3's attention, softmax routing within groups (no selection
+    # bias), Llama 4's query scaling past an 8-token original context, YaRN.
+    "mistral4": ("Mistral4ForCausalLM", "Mistral4Config", dict(
+        num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
+        pad_token_id=0, bos_token_id=1, eos_token_id=0, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=16.0, original_max_position_embeddings=8, beta_fast=32.0,
+            beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1))),
     # Granite 3's multipliers (its 8B: 12, 1/128, 0.22, 16); untied: the tests' wide random
     # embeddings, times 12 and tied, would make greedy repeat the last token.
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(

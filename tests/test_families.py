@@ -20,7 +20,7 @@ from scripts.convert_hf_checkpoint import config_from_hf, convert_hf_checkpoint
 NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3", "olmo2", "olmo3",
                 "exaone4", "seed_oss", "glm4", "glm", "gpt_oss", "ernie4_5", "ministral3", "cohere",
                 "cohere2", "olmoe", "granitemoe", "qwen2_moe", "granite", "glm4_moe", "dots1", "minimax_m2",
-                "deepseek_v3", "deepseek_v2", "glm4_moe_lite"]
+                "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -137,6 +137,8 @@ EXPECTED_CONFIG = {
     "deepseek_v2": dict(kv_lora_rank=16, q_lora_rank=None, router="softmax", expert_selection_bias=False,
                         norm_topk_prob=False, shared_expert_size=64),
     "glm4_moe_lite": dict(kv_lora_rank=16, v_head_dim=24, dense_layers=[0, 2], routed_scale=1.8),
+    "mistral4": dict(kv_lora_rank=16, router="softmax", expert_selection_bias=False, expert_groups=2,
+                     expert_group_top=2, query_scale_beta=0.1, query_scale_length=8),
 }
 
 
@@ -169,7 +171,7 @@ def test_longrope_long_factors_past_the_original_context(converted):
 INT8_OVERRIDES = {"gpt_oss": dict(num_experts_per_tok=4), "glm4_moe": dict(n_group=1, num_experts_per_tok=8),
                   "dots1": dict(num_experts_per_tok=4), "minimax_m2": dict(num_experts_per_tok=4),
                   "deepseek_v3": dict(n_group=1, num_experts_per_tok=8), "deepseek_v2": dict(num_experts_per_tok=4),
-                  "glm4_moe_lite": dict(num_experts_per_tok=4)}
+                  "glm4_moe_lite": dict(num_experts_per_tok=4), "mistral4": dict(n_group=1, num_experts_per_tok=8)}
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
