@@ -29,7 +29,7 @@ from scripts.convert_hf_checkpoint import (check_against_model, latent_attention
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "olmo2", "exaone4",
                            "seed_oss", "glm4", "ernie4_5", "granite", "gpt-oss", "command-r", "cohere2", "glm4moe",
-                           "dots1", "minimax-m2", "deepseek2")
+                           "dots1", "minimax-m2", "deepseek2", "qwen2moe", "olmoe", "granitemoe", "mistral3")
 # DeepSeek V3's routing (sigmoid, a selection bias): llama.cpp's default for these where the file names none
 SIGMOID_ROUTER = ("glm4moe", "dots1", "minimax-m2")
 GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
@@ -37,7 +37,10 @@ GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
 INTERLEAVED_ROPE = ("glm4", "ernie4_5", "command-r", "cohere2")
 COHERE = ("command-r", "cohere2")  # LayerNorm without a bias, attention and feed-forward side by side
 POST_NORMS = ("olmo2", "exaone4")  # x + norm(f(x)); OLMo 3 is architecture olmo2 with a window
-PERMUTED = ("llama", "granite")  # llama.cpp's converter interleaves these architectures' q/k rows
+# llama.cpp's converter interleaves these architectures' q/k rows
+PERMUTED = ("llama", "granite", "granitemoe", "mistral3")
+# Top-k router weights used as the softmax gives them unless the file says otherwise (llama.cpp's rule)
+UNNORMALISED_TOP_K = ("qwen2moe", "olmoe", "deepseek2")
 GEMMA = ("gemma2", "gemma3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,6 +81,7 @@ WEIGHT_MAP = {
     "blk.{}.ffn_gate_shexp.weight": "layers.{}.feed_forward.shared_expert.w1.weight",
     "blk.{}.ffn_up_shexp.weight": "layers.{}.feed_forward.shared_expert.w3.weight",
     "blk.{}.ffn_down_shexp.weight": "layers.{}.feed_forward.shared_expert.w2.weight",
+    "blk.{}.ffn_gate_inp_shexp.weight": "layers.{}.feed_forward.shared_gate.weight",  # Qwen2-MoE: [dim] there
     # DeepSeek's latent attention (deepseek2: DeepSeek V2 / V3, GLM-4.7-Flash)
     "blk.{}.attn_q_a.weight": "layers.{}.attention.wq_a.weight",
     "blk.{}.attn_q_a_norm.weight": "layers.{}.attention.q_norm.weight",
@@ -199,6 +203,10 @@ def config_from_gguf(reader) -> ModelArgs:
     gating = field(reader, f"{arch}.expert_gating_func")
     if gating is not None and gating not in GATING:
         raise ValueError(f"unsupported {arch}.expert_gating_func {gating}; supported: 1 (softmax), 2 (sigmoid)")
+    # Llama 4's query scaling (Ministral 3): past the YaRN original context unless the file names a length
+    beta = field(reader, f"{arch}.attention.temperature_scale") or None
+    length = field(reader, f"{arch}.attention.temperature_length") or field(
+        reader, f"{arch}.rope.scaling.original_context_length") if beta else None
     sparse = next((i for i in range(n_layer) if i not in dense), 0)  # a layer with experts
     shared = tensors.get(f"blk.{sparse}.ffn_up_shexp.weight")
     selection_bias = f"blk.{sparse}.exp_probs_b.bias" in tensors
@@ -225,6 +233,8 @@ def config_from_gguf(reader) -> ModelArgs:
         attention_bias="blk.0.attn_q.bias" in tensors,
         attention_out_bias="blk.0.attn_output.bias" in tensors,
         attention_sinks="blk.0.attn_sinks.weight" in tensors,
+        query_scale_beta=beta,
+        query_scale_length=length,
         moe_bias="blk.0.ffn_gate_inp.bias" in tensors,
         # gpt-oss's clamped SwiGLU: llama.cpp's constants, which the file does not store
         swiglu_limit=7.0 if gpt_oss else None,
@@ -235,17 +245,16 @@ def config_from_gguf(reader) -> ModelArgs:
         num_activated_experts=get("expert_used_count", 2),
         moe_intermediate_size=field(reader, f"{arch}.expert_feed_forward_length"),
         shared_expert_size=int(shared.shape[1]) if shared is not None else None,
+        shared_expert_gate=f"blk.{sparse}.ffn_gate_inp_shexp.weight" in tensors,
         router=router,
         expert_selection_bias=selection_bias,
         expert_groups=field(reader, f"{arch}.expert_group_count") or 1,
         expert_groups_used=field(reader, f"{arch}.expert_group_used_count") or 1,
         expert_group_top=group_top,
         routed_scale=float(routed_scale) if routed_scale not in (None, 0.0, 1.0) else None,
-        # llama.cpp renormalises the top-k weights of qwen3moe (and MiniMax M2's) unless the file says
-        # otherwise; DeepSeek's only where it says so.
-        norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", not mla)),
+        norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", arch not in UNNORMALISED_TOP_K)),
         dense_layers=dense or None,
-        qk_norm=("all" if arch in ("olmo2", "minimax-m2") else "head" if "blk.0.attn_q_norm.weight" in tensors
+        qk_norm=("all" if arch in ("olmo2", "olmoe", "minimax-m2") else "head" if "blk.0.attn_q_norm.weight" in tensors
                  else None),
         norm_offset=1.0 if gemma else 0.0,
         norm_centered=cohere,
@@ -414,7 +423,11 @@ def convert_tensors(reader, config: ModelArgs, dtype=None) -> dict:
                 # llama.cpp stores Gemma's norms as 1 + weight; brisk keeps weight (model.RMSNorm adds the 1).
                 w = (w.float() - config.norm_offset).to(w.dtype)
             name = rename(t.name, weight_map)
-            state[name] = w.transpose(1, 2).contiguous() if name.endswith("attention.wk_b") else w
+            if name.endswith("attention.wk_b"):
+                w = w.transpose(1, 2).contiguous()
+            elif name.endswith("shared_gate.weight"):  # one output: [dim] in the file
+                w = w.reshape(1, -1)
+            state[name] = w
     for i in range(config.n_layer):
         p = f"layers.{i}.attention."
         f = f"layers.{i}.feed_forward."

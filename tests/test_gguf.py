@@ -322,6 +322,10 @@ LLAMA_CPP_CONVERTED = {
     "glm4_moe_mtp": ("glm4_moe", {"num_hidden_layers": 4, "mtp": 1}),
     "dots1": ("dots1", {"sliding_window": None}),  # llama.cpp has no window for dots1 (the hub's has none)
     "minimax_m2": ("minimax_m2", {}),
+    "qwen2_moe": ("qwen2_moe", {"mlp_only_layers": []}),  # (llama.cpp's converter cannot map a dense layer there)
+    "olmoe": ("olmoe", {}),
+    "granitemoe": ("granitemoe", {}),
+    "ministral3": ("ministral3", {}),
     # Latent attention (architecture deepseek2): kv_b split and transposed, RoPE on pairs, YaRN's log multiplier
     "deepseek_v3": ("deepseek_v3", {"scoring_func": "sigmoid"}),  # as the hub's config says (llama.cpp reads it)
     "deepseek_v2_yarn": ("deepseek_v2", FAMILY_ROUND_TRIPS_YARN),
