@@ -90,6 +90,14 @@ class ModelArgs:
     q_lora_rank: Optional[int] = None
     v_head_dim: Optional[int] = None
     no_rope_layers: Optional[list] = None  # layers without RoPE (SmolLM3)
+    # Gemma 4: the full-attention layers' own head size and key/value heads where they differ from the
+    # sliding-window layers' (head_dim, n_local_heads); there the values may be the keys' projection
+    # (no v projection; taken before the keys' norm and RoPE). RoPE there spans the whole global head.
+    global_head_dim: Optional[int] = None
+    global_kv_heads: Optional[int] = None
+    global_values_are_keys: bool = False
+    value_norm: bool = False  # values RMS-normalised per head, without a weight (Gemma 4)
+    layer_scale: bool = False  # each layer's output times a learned scalar (Gemma 4)
 
     def __post_init__(self):
         self.check_types()
@@ -118,6 +126,17 @@ class ModelArgs:
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window is not None and (self.sliding_window_layers is None
                                                     or layer in self.sliding_window_layers)
+
+    def attention_shape(self, layer: int) -> tuple:
+        """(head_dim, key/value heads, values are keys) of a layer's attention."""
+        if self.is_sliding(layer):
+            return self.head_dim, self.n_local_heads, False
+        return (self.global_head_dim or self.head_dim, self.global_kv_heads or self.n_local_heads,
+                self.global_values_are_keys)
+
+    def local_rope(self) -> bool:
+        """Whether the sliding-window layers have RoPE tables of their own (a base, or a head size, of their own)."""
+        return self.rope_local_base is not None or self.global_head_dim is not None
 
     def check_types(self):
         """Every field holds its annotated type (JSON gives strings and nulls where numbers belong)."""
@@ -151,8 +170,11 @@ class ModelArgs:
         if self.n_head % self.n_local_heads:
             raise ValueError(f"n_head {self.n_head} is not a multiple of n_local_heads {self.n_local_heads} "
                              "(each key/value head serves a whole group of query heads)")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even (RoPE rotates pairs of dimensions)")
+        if self.head_dim % 2 or (self.global_head_dim or 0) % 2:
+            raise ValueError(f"head_dim {self.head_dim} and global_head_dim {self.global_head_dim} must be even "
+                             "(RoPE rotates pairs of dimensions)")
+        if self.global_kv_heads is not None and (self.global_kv_heads < 1 or self.n_head % self.global_kv_heads):
+            raise ValueError(f"n_head {self.n_head} is not a multiple of global_kv_heads {self.global_kv_heads}")
         if self.kv_lora_rank is not None and not (self.n_local_heads == 1 and self.v_head_dim and self.rope_dim
                                                   < self.head_dim and self.rope_dim % 2 == 0):
             raise ValueError(f"latent attention (kv_lora_rank {self.kv_lora_rank}) needs n_local_heads 1 (got "
@@ -329,14 +351,16 @@ class Transformer(nn.Module):
                 cache = KVCache(max_batch_size, max_seq_length, 1, c.kv_lora_rank + c.rope_dim, dtype,
                                 value_dim=c.kv_lora_rank)
             else:
-                cache = KVCache(max_batch_size, max_seq_length, c.n_local_heads, c.head_dim, dtype)
+                cache = KVCache(max_batch_size, max_seq_length, layer.attention.n_local_heads,
+                                layer.attention.head_dim, dtype)
             layer.attention.kv_cache = cache.to(device)
         # RoPE tables stay in fp32: bf16 angles lose whole positions past a few thousand tokens.
-        self.register_buffer("rope_cos_sin", precompute_rope(max_seq_length, c.rope_dim, c.rope_base,
-                                                             c.rope_scaling).to(device), persistent=False)
-        if c.rope_local_base is not None:  # Gemma 3's sliding-window layers: their own base, no scaling
-            self.register_buffer("rope_local_cos_sin", precompute_rope(max_seq_length, c.rope_dim, c.rope_local_base)
-                                 .to(device), persistent=False)
+        self.register_buffer("rope_cos_sin", precompute_rope(max_seq_length, c.global_head_dim or c.rope_dim,
+                                                             c.rope_base, c.rope_scaling).to(device), persistent=False)
+        if c.local_rope():  # Gemma 3's, Gemma 4's sliding-window layers: their own base (and size), no scaling
+            self.register_buffer("rope_local_cos_sin", precompute_rope(
+                max_seq_length, c.rope_dim, c.rope_base if c.rope_local_base is None else c.rope_local_base)
+                .to(device), persistent=False)
 
     def embed(self, idx: Tensor) -> Tensor:
         x = self.tok_embeddings(idx)
@@ -365,17 +389,18 @@ class Transformer(nn.Module):
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before the forward pass")
         c = self.config
         rope = self.rope_cos_sin[input_pos]  # (T, rope_dim, 2) or (B, T, rope_dim, 2)
-        local_rope = self.rope_local_cos_sin[input_pos] if c.rope_local_base is not None else rope
-        # One mask for the full-attention layers and one for the sliding-window layers, each built
-        # only when some layer needs it.
+        local_rope = self.rope_local_cos_sin[input_pos] if c.local_rope() else rope
+        # One mask for the full-attention layers and one for the sliding-window layers (per GQA group
+        # size, where the two kinds differ: Gemma 4), each built only when some layer needs it.
         masks = {}
         for layer in self.layers:
-            if layer.sliding not in masks:
-                masks[layer.sliding] = self.attention_mask(input_pos, idx.shape[1], from_start,
-                                                           c.sliding_window if layer.sliding else None, kv_len)
+            if layer.mask_kind not in masks:
+                masks[layer.mask_kind] = self.attention_mask(input_pos, idx.shape[1], from_start,
+                                                             c.sliding_window if layer.sliding else None, kv_len,
+                                                             layer.mask_kind[1])
         x = self.embed(idx)
         for layer in self.layers:
-            x = layer(x, input_pos, local_rope if layer.sliding else rope, masks[layer.sliding], cache_rows)
+            x = layer(x, input_pos, local_rope if layer.sliding else rope, masks[layer.mask_kind], cache_rows)
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]  # (B, 1, D)
         elif last_only:
@@ -388,7 +413,7 @@ class Transformer(nn.Module):
         return logits
 
     def attention_mask(self, input_pos: Tensor, T: int, from_start: bool, window: Optional[int],
-                       kv_len: Optional[int] = None) -> Optional[Tensor]:
+                       kv_len: Optional[int] = None, rep: Optional[int] = None) -> Optional[Tensor]:
         """True where a query row may see a cache position: (n_head // n_local_heads * T, S) for
         positions [T], (B, 1, that, S) for per-row positions [B, T]; S = kv_len or the whole cache.
         None for causal attention within idx (a prompt from position 0 that fits the window, and
@@ -404,7 +429,7 @@ class Transformer(nn.Module):
         if window is not None:
             mask = mask & (k_pos > q_pos - window)
         # Rows per query head of a GQA group, as Attention folds them.
-        rep = c.n_head // c.n_local_heads
+        rep = rep or c.n_head // c.n_local_heads
         return mask.repeat(rep, 1) if mask.dim() == 2 else mask.repeat(1, rep, 1)[:, None]
 
 
@@ -423,15 +448,23 @@ class TransformerBlock(nn.Module):
         self.attention_norm, self.ffn_norm = norm(pre), norm(pre and not self.parallel)
         self.post_attention_norm, self.post_ffn_norm = norm(post), norm(post)
         self.residual_scale = config.residual_scale
+        self.register_buffer("layer_scale", torch.ones(1) if config.layer_scale else None)
+
+    @property
+    def mask_kind(self) -> tuple:
+        """(windowed, query heads per key/value head): the layers that share an attention mask."""
+        return self.sliding, self.attention.n_head // self.attention.n_local_heads
 
     def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Optional[Tensor],
                 cache_rows: Optional[Tensor] = None) -> Tensor:
         if self.parallel:
             h = self.attention_norm(x)
-            return x + self.attention(h, input_pos, rope, mask, cache_rows) + self.feed_forward(h)
-        h = x + self.scaled(self.post_attention_norm(self.attention(self.attention_norm(x), input_pos, rope, mask,
-                                                                    cache_rows)))
-        return h + self.scaled(self.post_ffn_norm(self.feed_forward(self.ffn_norm(h))))
+            out = x + self.attention(h, input_pos, rope, mask, cache_rows) + self.feed_forward(h)
+        else:
+            h = x + self.scaled(self.post_attention_norm(self.attention(self.attention_norm(x), input_pos, rope,
+                                                                        mask, cache_rows)))
+            out = h + self.scaled(self.post_ffn_norm(self.feed_forward(self.ffn_norm(h))))
+        return out if self.layer_scale is None else out * self.layer_scale
 
     def scaled(self, y: Tensor) -> Tensor:
         return y if self.residual_scale is None else y * self.residual_scale
@@ -444,11 +477,12 @@ BLOCK_NORMS = {"pre": (True, False), "sandwich": (True, True), "post": (False, T
 class Attention(nn.Module):
     def __init__(self, config: ModelArgs, layer_id: int = 0):
         super().__init__()
-        self.n_head, self.n_local_heads, self.head_dim = config.n_head, config.n_local_heads, config.head_dim
+        head_dim, kv_heads, self.values_are_keys = config.attention_shape(layer_id)
+        self.n_head, self.n_local_heads, self.head_dim = config.n_head, kv_heads, head_dim
         # q, k and v in one projection: one matrix-vector product per layer instead of three.
-        qkv_dim = (config.n_head + 2 * config.n_local_heads) * config.head_dim
+        qkv_dim = (config.n_head + (1 if self.values_are_keys else 2) * kv_heads) * head_dim
         self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.attention_bias)
-        self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=config.attention_out_bias)
+        self.wo = nn.Linear(config.n_head * head_dim, config.dim, bias=config.attention_out_bias)
         self.sinks = nn.Parameter(torch.empty(config.n_head)) if config.attention_sinks else None
         self.kv_cache: Optional[KVCache] = None
         # A kernel for decode steps that reads the KV cache in place, attached from outside (kernels.py):
@@ -460,15 +494,16 @@ class Attention(nn.Module):
         self.attend_prompt: Optional[Callable] = None
         # apply_rope in one op for eager steps (kernels.py): f(x [B, T, heads, hd], rope) -> x rotated.
         self.rotate: Optional[Callable] = None
-        self.scale = config.attention_scale or config.head_dim ** -0.5
+        self.scale = config.attention_scale or head_dim ** -0.5
         self.softcap = config.attn_logit_softcap
+        self.value_norm_eps = config.norm_eps if config.value_norm else None
         self.use_rope = layer_id not in (config.no_rope_layers or ())
         self.query_scale = (config.query_scale_beta, config.query_scale_length) if config.query_scale_beta else None
         self.qk_norm = config.qk_norm
         if config.qk_norm is not None:
             # "head": one norm over head_dim shared by the heads; "all": over the whole q (k) projection.
-            q_size, k_size = ((config.head_dim, config.head_dim) if config.qk_norm == "head" else
-                              (config.n_head * config.head_dim, config.n_local_heads * config.head_dim))
+            q_size, k_size = ((head_dim, head_dim) if config.qk_norm == "head" else
+                              (config.n_head * head_dim, kv_heads * head_dim))
             self.q_norm = RMSNorm(q_size, config.norm_eps, config.norm_offset)
             self.k_norm = RMSNorm(k_size, config.norm_eps, config.norm_offset)
 
@@ -479,12 +514,19 @@ class Attention(nn.Module):
         position 0): causal attention within x."""
         B, T, _ = x.shape
         q_dim, kv_dim = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+        if self.values_are_keys:  # (Gemma 4's global layers)
+            q, k = self.wqkv(x).split([q_dim, kv_dim], dim=-1)
+            v = k
+        else:
+            q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
         if self.qk_norm == "all":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, self.n_head, self.head_dim)
         k = k.view(B, T, self.n_local_heads, self.head_dim)
         v = v.view(B, T, self.n_local_heads, self.head_dim)
+        if self.value_norm_eps is not None:  # RMS norm without a weight, in fp32 as the others
+            vf = v.float()
+            v = (vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + self.value_norm_eps)).type_as(v)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
@@ -540,6 +582,7 @@ class LatentAttention(nn.Module):
         super().__init__()
         H, D, self.rope_dim = config.n_head, config.dim, config.rope_dim
         self.n_head, self.head_dim, self.v_head_dim = H, config.head_dim, config.v_head_dim
+        self.n_local_heads = 1  # the latent, which every head reads
         self.kv_lora_rank, nope = config.kv_lora_rank, config.head_dim - config.rope_dim
         if config.q_lora_rank:
             self.wq_a = nn.Linear(D, config.q_lora_rank, bias=False)

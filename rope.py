@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "proportional")
 
 
 def rope_type(scaling: Optional[dict]) -> str:
@@ -55,6 +55,12 @@ def rope_frequencies(rope_dim: int, base: float, scaling: Optional[dict], seq_le
         low, high = max(low, 0), min(high, rope_dim - 1)
         ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / (high - low or 0.001)).clamp(0, 1)
         return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    if kind == "proportional":
+        # Gemma 4's global layers: the first partial_rotary_factor of the head's pairs turn at the whole
+        # head's frequencies, the others not at all (partial rotary that keeps the full head's schedule).
+        turning = int(scaling["partial_rotary_factor"] * rope_dim // 2)
+        return torch.cat([inv_freq[:turning], torch.zeros(rope_dim // 2 - turning, dtype=torch.float64)]) / scaling.get(
+            "factor", 1.0)
     raise ValueError(f"unsupported rope scaling {kind!r}; supported: {', '.join(ROPE_TYPES)}")
 
 

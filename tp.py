@@ -39,6 +39,8 @@ def check_divisible(config, world_size: int):
     sizes = {"n_head": config.n_head}
     if not config.kv_lora_rank:  # (latent attention's one latent stays whole on every rank)
         sizes["n_local_heads (key/value heads)"] = config.n_local_heads
+    if config.global_kv_heads:
+        sizes["global_kv_heads (key/value heads of the full-attention layers)"] = config.global_kv_heads
     if not config.num_experts or config.dense_layers:
         sizes["intermediate_size"] = config.intermediate_size
     if config.num_experts:
@@ -70,13 +72,13 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
             attn.register_forward_hook(_all_reduce_output(group))
             _shard_feed_forward(layer.feed_forward, group, **shard)
             continue
-        q_dim, kv_dim = c.n_head * c.head_dim, c.n_local_heads * c.head_dim
+        q_dim, kv_dim = attn.n_head * attn.head_dim, attn.n_local_heads * attn.head_dim
         # Contiguous blocks of query heads and of kv heads: each rank's query heads keep their GQA kv heads.
-        _shard_linear(attn.wqkv, "out", parts=[q_dim, kv_dim, kv_dim], **shard)
+        _shard_linear(attn.wqkv, "out", parts=[q_dim, kv_dim] + [kv_dim] * (not attn.values_are_keys), **shard)
         _shard_linear(attn.wo, "in", **shard)
         if attn.sinks is not None:  # gpt-oss: one per query head, which split by blocks as wqkv's rows
             _replace(attn, "sinks", _take(attn.sinks, 0, rank, world_size))
-        attn.n_head, attn.n_local_heads = c.n_head // world_size, c.n_local_heads // world_size
+        attn.n_head, attn.n_local_heads = attn.n_head // world_size, attn.n_local_heads // world_size
         if c.qk_norm == "all":  # OLMo 2 normalises q (k) over all heads, which now span the ranks
             attn.q_norm = ShardedRMSNorm(attn.q_norm, group, **shard)
             attn.k_norm = ShardedRMSNorm(attn.k_norm, group, **shard)
@@ -92,6 +94,7 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
     # setup_caches sizes the KV cache from the config: it must describe this rank's shard.
     model.config = replace(c, n_head=c.n_head // world_size,
                            n_local_heads=c.n_local_heads if c.kv_lora_rank else c.n_local_heads // world_size,
+                           global_kv_heads=c.global_kv_heads // world_size if c.global_kv_heads else None,
                            intermediate_size=c.intermediate_size // world_size,
                            moe_intermediate_size=c.moe_intermediate_size // world_size if c.num_experts else None)
     return model

@@ -27,7 +27,7 @@ from rope import ROPE_TYPES, rope_type  # noqa: E402
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
              "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4", "gpt_oss", "ernie4_5",
              "ministral3", "cohere", "cohere2", "olmoe", "granitemoe", "qwen2_moe", "glm4_moe", "dots1", "minimax_m2",
-             "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4")
+             "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4", "gemma4_text")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 
@@ -89,6 +89,7 @@ _POST = {k: v for k, v in _SANDWICH.items() if "pre_feedforward" not in k}
 FAMILY_WEIGHT_MAP = {
     "gemma2": _SANDWICH,
     "gemma3_text": _SANDWICH,
+    "gemma4_text": {**_SANDWICH, "model.layers.{}.layer_scalar": "layers.{}.layer_scale"},
     "olmo2": _POST,
     "olmo3": _POST,
     "exaone4": _POST,
@@ -133,6 +134,8 @@ HF_DEFAULTS = {
                         vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                         num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
                         rms_norm_eps=1e-6),
+    "gemma4_text": dict(tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", sliding_window=512,
+                        rms_norm_eps=1e-6, hidden_size_per_layer_input=256, attention_k_eq_v=False),
     "smollm3": dict(tie_word_embeddings=True, no_rope_layer_interval=4),
     "qwen2": dict(max_window_layers=28),
     "qwen3": dict(max_window_layers=28),
@@ -218,11 +221,15 @@ def config_from_hf(hf: dict) -> ModelArgs:
     n_layer, n_head = hf["num_hidden_layers"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
     rope_base, rope_scaling, rope_local_base, partial = rope_from_hf(hf, model_type)
-    act_key = "hidden_activation" if model_type in GEMMA else "hidden_act"
+    act_key = "hidden_activation" if model_type in GEMMA + ("gemma4_text",) else "hidden_act"
     act = hf.get(act_key, "silu")
     if act not in ACTIVATIONS:
         raise ValueError(f"unsupported {act_key} {act!r}; supported: {', '.join(ACTIVATIONS)}")
-    for key in ("mlp_bias", "use_bidirectional_attention", "attention_out_bias", "use_bias", "clip_qkv") + (
+    gemma4 = model_type == "gemma4_text"
+    if gemma4:
+        check_gemma4(hf)
+    for key in ("mlp_bias", "attention_out_bias", "use_bias", "clip_qkv") + (
+            ("use_bidirectional_attention",) if not gemma4 else ()) + (
             ("use_qk_norm",) if model_type not in ("glm4_moe", "minimax_m2") else ()) + (
             ("attention_bias",) if model_type not in QKV_BIAS + ("gpt_oss",) else ()):
         if hf.get(key):  # (attention_bias: these families put a bias on o_proj too)
@@ -263,6 +270,7 @@ def config_from_hf(hf: dict) -> ModelArgs:
         no_rope = [i for i in range(n_layer) if window is None or i not in (window_layers or range(n_layer))] or None
     gemma, granite, gpt_oss = model_type in GEMMA, model_type in ("granite", "granitemoe"), model_type == "gpt_oss"
     beta, length = query_scale_from_hf(hf)
+    global_head_dim, global_kv_heads = gemma4_global_attention(hf, window_layers, n_layer) if gemma4 else (None, None)
     return ModelArgs(
         block_size=hf["max_position_embeddings"],
         vocab_size=hf["vocab_size"],
@@ -302,21 +310,23 @@ def config_from_hf(hf: dict) -> ModelArgs:
         norm_topk_prob=(model_type == "minimax_m2"
                         or model_type != "deepseek_v2" and bool(hf.get("norm_topk_prob", True))),
         dense_layers=dense,
-        qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "exaone4": "head", "olmo2": "all",
+        qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "gemma4_text": "head", "exaone4": "head",
+                 "olmo2": "all",
                  "olmo3": "all", "olmoe": "all", "dots1": "head", "minimax_m2": "all",
                  "glm4_moe": "head" if hf.get("use_qk_norm") else None}.get(model_type),
         norm_offset=1.0 if gemma else 0.0,
         norm_centered=model_type in COHERE,
-        block_norms=("sandwich" if gemma or model_type == "glm4" else "post" if model_type in POST_NORMS else
+        block_norms=("sandwich" if gemma or gemma4 or model_type == "glm4" else "post" if model_type in POST_NORMS else
                      "parallel" if model_type in COHERE else "pre"),
         hidden_act=ACTIVATIONS[act],
-        embedding_scale=hf["hidden_size"] ** 0.5 if gemma else hf["embedding_multiplier"] if granite else None,
+        embedding_scale=(hf["hidden_size"] ** 0.5 if gemma or gemma4 else hf["embedding_multiplier"] if granite
+                         else None),
         attention_scale=(hf["query_pre_attn_scalar"] ** -0.5 if gemma else hf["attention_multiplier"] if granite
-                         else mla_attention_scale(head_dim, rope_scaling) if mla else None),
+                         else mla_attention_scale(head_dim, rope_scaling) if mla else 1.0 if gemma4 else None),
         residual_scale=hf["residual_multiplier"] if granite else None,
         logit_divisor=hf["logits_scaling"] if granite else 1 / hf["logit_scale"] if model_type in COHERE else None,
         attn_logit_softcap=hf.get("attn_logit_softcapping") if gemma else None,
-        final_logit_softcap=hf.get("final_logit_softcapping") if gemma else None,
+        final_logit_softcap=hf.get("final_logit_softcapping") if gemma or gemma4 else None,
         sliding_window_layers=window_layers,
         rope_local_base=rope_local_base,
         rope_dim=hf["qk_rope_head_dim"] if mla else int(head_dim * partial),
@@ -324,7 +334,40 @@ def config_from_hf(hf: dict) -> ModelArgs:
         kv_lora_rank=hf["kv_lora_rank"] if mla else None,
         q_lora_rank=hf.get("q_lora_rank") or None if mla else None,
         v_head_dim=hf["v_head_dim"] if mla else None,
+        global_head_dim=global_head_dim,
+        global_kv_heads=global_kv_heads,
+        global_values_are_keys=gemma4 and bool(hf["attention_k_eq_v"]),
+        value_norm=gemma4,
+        layer_scale=gemma4,
     )
+
+
+def check_gemma4(hf: dict):
+    """Gemma 4's pieces brisk does not run, refused by name."""
+    if hf.get("hidden_size_per_layer_input"):
+        raise ValueError(f"unsupported hidden_size_per_layer_input={hf['hidden_size_per_layer_input']} (Gemma 4's "
+                         "per-layer input embeddings, E2B / E4B)")
+    for key in ("num_kv_shared_layers", "enable_moe_block"):
+        if hf.get(key):
+            raise ValueError(f"unsupported {key}={json.dumps(hf[key])} in the gemma4_text config.json")
+    if hf.get("use_bidirectional_attention") == "all":  # ("vision" concerns image tokens only)
+        raise ValueError('unsupported use_bidirectional_attention="all" in the gemma4_text config.json')
+
+
+def gemma4_global_attention(hf: dict, window_layers: Optional[list], n_layer: int) -> tuple:
+    """(global_head_dim, global_kv_heads) of Gemma 4's full-attention layers: transformers writes them per
+    layer (per_layer_config), hub configs as global_head_dim / num_global_key_value_heads (the latter
+    where attention_k_eq_v), as transformers reads them."""
+    per_layer = hf.get("per_layer_config")
+    if per_layer is None:
+        heads = hf.get("num_global_key_value_heads") if hf["attention_k_eq_v"] else None
+        return hf.get("global_head_dim", 512), heads
+    global_layers = [i for i in range(n_layer) if window_layers is not None and i not in window_layers]
+    shapes = {(v.get("head_dim"), v.get("num_key_value_heads")) for v in per_layer.values()}
+    if sorted(int(i) for i in per_layer) != global_layers or len(shapes) != 1:
+        raise ValueError(f"unsupported per_layer_config {json.dumps(per_layer)}: brisk gives the full-attention "
+                         "layers one shape of their own")
+    return next(iter(shapes))
 
 
 def mla_attention_scale(head_dim: int, rope_scaling: Optional[dict]) -> Optional[float]:
@@ -369,6 +412,10 @@ def rope_from_hf(hf: dict, model_type: str) -> tuple:
                    # Phi-3 derives the attention factor from the context's growth (transformers does the same).
                    "factor": scaling.get("factor") or hf["max_position_embeddings"] / orig,
                    "attention_factor": scaling.get("attention_factor")}
+    if kind == "proportional":  # Gemma 4's global layers: the whole head turns, some of its pairs at speed 0
+        scaling = {"rope_type": "proportional", "partial_rotary_factor": params_partial or 1.0,
+                   **({"factor": scaling["factor"]} if scaling.get("factor", 1.0) != 1.0 else {})}
+        partial = 1.0
     if kind == "yarn":  # transformers' defaults written out, so config.json says what runs
         orig = (scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
                 or hf["max_position_embeddings"])
@@ -381,6 +428,8 @@ def rope_from_hf(hf: dict, model_type: str) -> tuple:
                          "supported: default")
     if model_type == "gemma3_text":
         rope_local_base = float((local or {}).get("rope_theta", hf["rope_local_base_freq"]))
+    if model_type == "gemma4_text":
+        rope_local_base = float((local or {}).get("rope_theta", 10_000.0))
     if model_type == "olmo3":  # a hub config's rope_scaling applies to the full-attention layers only
         local_base = float((local or {}).get("rope_theta", rope_base))
         rope_local_base = local_base if kind != "default" or local_base != rope_base else None
@@ -416,10 +465,14 @@ def sliding_window_from_hf(hf: dict, model_type: str) -> tuple:
         elif model_type in ("olmo3", "exaone4", "cohere2"):  # n - 1 local layers, then a global one
             types = ["sliding_attention" if (i + 1) % hf.get("sliding_window_pattern", 4) else "full_attention"
                      for i in range(n)]
+        elif model_type == "gemma4_text":  # 5 local layers, then a global one
+            types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
         elif model_type == "smollm3":
             raise ValueError("smollm3 with use_sliding_window=true needs layer_types in config.json")
         else:  # Qwen2 / Qwen3: the layers from max_window_layers on
             types = ["sliding_attention" if i >= hf["max_window_layers"] else "full_attention" for i in range(n)]
+    if model_type == "gemma4_text":  # its last layer is global whatever the list says (as transformers makes it)
+        types = [*types[:-1], "full_attention"]
     layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
     if not layers:
         return None, None
@@ -511,7 +564,7 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
         if config.kv_lora_rank:
             latent_attention(state, p, config, interleaved=model_type == "deepseek_v2" or hf_rope_interleave)
         for kind in ("weight", "bias") if not config.kv_lora_rank else ():
-            parts = [state.pop(p + f"w{x}.{kind}", None) for x in "qkv"]
+            parts = [state.pop(p + f"w{x}.{kind}", None) for x in ("qk" if config.attention_shape(i)[2] else "qkv")]
             if all(t is not None for t in parts):
                 state[p + f"wqkv.{kind}"] = torch.cat(parts)
             elif any(t is not None for t in parts):

@@ -150,6 +150,13 @@ FAMILIES = {
         pad_token_id=0, bos_token_id=1, eos_token_id=0, rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=16.0, original_max_position_embeddings=8, beta_fast=32.0,
             beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1))),
+    # Gemma 4 (31B's form): global layers with heads twice as wide, one key/value head whose values are
+    # the keys' projection, proportional RoPE on a quarter of them; values normalised, a scalar per
+    # layer, Gemma's soft-capped logits; windows of 8 on the local layers.
+    "gemma4": ("Gemma4ForCausalLM", "Gemma4TextConfig", dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=8, hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])),
     # Granite 3's multipliers (its 8B: 12, 1/128, 0.22, 16); untied: the tests' wide random
     # embeddings, times 12 and tied, would make greedy repeat the last token.
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(
@@ -187,9 +194,11 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
                 p.normal_(0, 0.15)
             else:
                 p.add_(torch.randn_like(p) * 0.05)
-        for name, b in model.named_buffers():  # DeepSeek V3-style routers' selection bias: zeros at init
-            if name.endswith("e_score_correction_bias"):
+        for name, b in model.named_buffers():  # buffers a checkpoint holds, constant at init
+            if name.endswith("e_score_correction_bias"):  # DeepSeek V3-style routers' selection bias
                 b.normal_(0, 0.2)
+            elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale
+                b.uniform_(0.5, 1.5)
     return model
 
 

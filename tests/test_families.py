@@ -20,7 +20,7 @@ from scripts.convert_hf_checkpoint import config_from_hf, convert_hf_checkpoint
 NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope", "smollm3", "olmo2", "olmo3",
                 "exaone4", "seed_oss", "glm4", "glm", "gpt_oss", "ernie4_5", "ministral3", "cohere",
                 "cohere2", "olmoe", "granitemoe", "qwen2_moe", "granite", "glm4_moe", "dots1", "minimax_m2",
-                "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4"]
+                "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4", "gemma4"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -61,6 +61,10 @@ VARIANTS = {
     # DeepSeek V2's group-limited routing: 4 groups ranked by their best expert, 2 used.
     "deepseek_v2_groups": ("deepseek_v2", dict(n_routed_experts=8, n_group=4, topk_group=2,
                                                topk_method="group_limited_greedy", routed_scaling_factor=1.5)),
+    # Gemma 4 with values of their own on the global layers (attention_k_eq_v false: their kv heads are the
+    # local layers'), the hub's default layer pattern (5 local, 1 global; the last global), tied.
+    "gemma4_own_values": ("gemma4", dict(attention_k_eq_v=False, num_hidden_layers=7, layer_types=None,
+                                         tie_word_embeddings=True, final_logit_softcapping=None)),
     # YaRN as Qwen3's model card adds it for long contexts: the factor, the original context.
     "qwen3_yarn": ("qwen3", dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                                       original_max_position_embeddings=64))),
@@ -137,6 +141,10 @@ EXPECTED_CONFIG = {
     "deepseek_v2": dict(kv_lora_rank=16, q_lora_rank=None, router="softmax", expert_selection_bias=False,
                         norm_topk_prob=False, shared_expert_size=64),
     "glm4_moe_lite": dict(kv_lora_rank=16, v_head_dim=24, dense_layers=[0, 2], routed_scale=1.8),
+    "gemma4": dict(global_head_dim=32, global_kv_heads=1, global_values_are_keys=True, value_norm=True,
+                   layer_scale=True, rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25},
+                   rope_local_base=10000.0, rope_dim=16, attention_scale=1.0, norm_offset=0.0,
+                   sliding_window_layers=[0, 2]),
     "mistral4": dict(kv_lora_rank=16, router="softmax", expert_selection_bias=False, expert_groups=2,
                      expert_group_top=2, query_scale_beta=0.1, query_scale_length=8),
 }
@@ -278,7 +286,7 @@ def test_yarn_in_the_hubs_form():
     assert (config.rope_base, config.rope_local_base, config.rope_scaling["factor"]) == (5e5, 5e5, 8.0)
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "cohere2", "qwen2_moe", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["gpt_oss", "cohere2", "qwen2_moe", "glm4_moe", "deepseek_v3", "gemma4"])
 def test_packed_for_the_cpu_matches_transformers(family, tmp_path):
     """Packed for kernels.cpp, what its kernels do not do stays model.py's: gpt-oss's attention with
     sinks (its biased o_proj on the packed products), Cohere's LayerNorms (rowwise.cpp's norm does not
@@ -324,6 +332,13 @@ def multimodal_model(kind: str):
                                            vision_config=vision, mm_tokens_per_image=4, image_token_index=255,
                                            boi_token_index=253, eoi_token_index=254)
         cls = transformers.Gemma3ForConditionalGeneration
+    elif kind == "gemma4":  # (its audio tower left out of the test model: no audio_config)
+        extra = {k: v for k, v in FAMILIES["gemma4"][2].items() if k != "num_hidden_layers"}
+        config = transformers.Gemma4Config(
+            text_config=dict(text, **{**extra, "layer_types": ["sliding_attention", "full_attention"]}),
+            vision_config=dict(vision, head_dim=16), audio_config=None, image_token_id=255, boi_token_id=253,
+            eoi_token_id=254, video_token_id=252, boa_token_id=251, eoa_token_index=250, audio_token_id=249)
+        cls = transformers.Gemma4ForConditionalGeneration
     else:  # Mistral Small 3.1 / 3.2 (text: mistral), Ministral 3 (ministral3, with its YaRN and query scaling)
         if kind == "ministral3":
             text = dict(text, rope_parameters=FAMILIES["ministral3"][2]["rope_parameters"])
@@ -340,7 +355,7 @@ def multimodal_model(kind: str):
 
 
 @pytest.mark.parametrize("kind, layout", [("gemma3", "hub"), ("gemma3", "transformers5"), ("mistral3", "hub"),
-                                          ("ministral3", "hub")])
+                                          ("ministral3", "hub"), ("gemma4", "transformers5")])
 def test_multimodal_checkpoint_converts_its_language_model(kind, layout, tmp_path):
     """Gemma 3 from 4B and Mistral Small 3.1 / 3.2 ship as multimodal checkpoints: the converter
     takes the language model (the hub's config leaves out of text_config what equals its defaults;
@@ -363,7 +378,8 @@ def test_multimodal_checkpoint_converts_its_language_model(kind, layout, tmp_pat
             renamed["model." + name if name.startswith(("vision_tower.", "multi_modal_projector.")) else name] = t
         save_file(renamed, tmp_path / "hf" / "model.safetensors")
     model = load_model(convert_hf_checkpoint(tmp_path))
-    ids = torch.randint(0, 250, (2, 40), generator=torch.Generator().manual_seed(4))
+    # text only: below the image / audio tokens' ids (249 and up)
+    ids = torch.randint(0, 249, (2, 40), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(our_logits(model, ids), hf(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
 

@@ -80,6 +80,8 @@ def checkpoints(tmp_path_factory):
         "glm4_moe": save_and_convert(make_hf_model("glm4_moe"), root / "glm4_moe"),
         # Latent attention: heads split, the latent whole on every rank.
         "deepseek_v3": save_and_convert(make_hf_model("deepseek_v3"), root / "deepseek_v3"),
+        # Global layers with heads of their own size and count (values their keys), split apart from the local ones.
+        "gemma4": save_and_convert(make_hf_model("gemma4", num_global_key_value_heads=2), root / "gemma4"),
     }
     paths["qwen2_int8"] = quantize.quantize_checkpoint(paths["qwen2"], "int8")
     paths["llama_odd_vocab_int4"] = quantize.quantize_checkpoint(paths["llama_odd_vocab"], "int4", 32)
@@ -105,7 +107,7 @@ def tp_results(checkpoints, tmp_path_factory):
                                   "llama_odd_vocab_int4:dequant", "moe_int8:dequant", "moe_int4:dequant",
                                   "qwen3_moe_int8:dequant", "gpt_oss", "gpt_oss_int8:dequant", "cohere2",
                                   "qwen2_moe", "glm4_moe", "glm4_moe_int8:dequant", "deepseek_v3",
-                                  "deepseek_v3_int8:dequant"])
+                                  "deepseek_v3_int8:dequant", "gemma4"])
 def test_tp_matches_single_process(name, checkpoints, tp_results):
     """Sharded == whole to fp32 precision (quantized layers on the fp32 dequantize path)."""
     name, _, variant = name.partition(":")
