@@ -317,7 +317,7 @@ def model_bytes(model: Transformer) -> int:
             continue
         size = t.numel() * t.element_size()
         *_, parent, leaf = name.split(".")
-        if parent == "feed_forward" and leaf.startswith("w"):  # stacked experts (not a MoE model's dense layers)
+        if parent in ("feed_forward", "experts") and leaf.startswith("w"):  # stacked experts (not dense layers')
             size = size * model.config.num_activated_experts // model.config.num_experts
         total += size
     return total

@@ -61,6 +61,11 @@ class ModelArgs:
     expert_groups_used: int = 1
     expert_group_top: int = 2
     routed_scale: Optional[float] = None  # the routed experts' weights times this (routed_scaling_factor)
+    # Gemma 4's 26B: routed experts beside the dense feed-forward (not instead of it), on their own
+    # normalised input, their output normalised before the two are summed; its router reads the
+    # RMS-normalised input times a learned scale, and each expert's weight has a learned scale too.
+    experts_beside_mlp: bool = False
+    router_input_norm: bool = False
     # gpt-oss's experts: gate <= limit and |up| <= limit, then (up + 1) * gate * sigmoid(swiglu_alpha * gate)
     swiglu_limit: Optional[float] = None
     swiglu_alpha: Optional[float] = None
@@ -438,7 +443,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.sliding = config.is_sliding(layer_id)  # Transformer.forward hands it the window's mask (and local RoPE)
         self.attention = LatentAttention(config) if config.kv_lora_rank else Attention(config, layer_id)
-        moe = config.num_experts > 0 and layer_id not in (config.dense_layers or ())
+        moe = config.num_experts > 0 and not config.experts_beside_mlp and layer_id not in (config.dense_layers or ())
         self.feed_forward = MoEFeedForward(config) if moe else FeedForward(config)
         # Norms before and/or after each sublayer (BLOCK_NORMS); the missing ones are identities.
         pre, post = BLOCK_NORMS[config.block_norms]
@@ -449,6 +454,10 @@ class TransformerBlock(nn.Module):
         self.post_attention_norm, self.post_ffn_norm = norm(post), norm(post)
         self.residual_scale = config.residual_scale
         self.register_buffer("layer_scale", torch.ones(1) if config.layer_scale else None)
+        beside = config.experts_beside_mlp and config.num_experts > 0 and layer_id not in (config.dense_layers or ())
+        self.experts = MoEFeedForward(config) if beside else None
+        if beside:  # the dense output's norm, the experts' input and output norms
+            self.post_mlp_norm, self.experts_norm, self.post_experts_norm = (norm(True) for _ in range(3))
 
     @property
     def mask_kind(self) -> tuple:
@@ -463,7 +472,10 @@ class TransformerBlock(nn.Module):
         else:
             h = x + self.scaled(self.post_attention_norm(self.attention(self.attention_norm(x), input_pos, rope,
                                                                         mask, cache_rows)))
-            out = h + self.scaled(self.post_ffn_norm(self.feed_forward(self.ffn_norm(h))))
+            y = self.feed_forward(self.ffn_norm(h))
+            if self.experts is not None:  # (Gemma 4's 26B) routed from h itself
+                y = self.post_mlp_norm(y) + self.post_experts_norm(self.experts(self.experts_norm(h), route_from=h))
+            out = h + self.scaled(self.post_ffn_norm(y))
         return out if self.layer_scale is None else out * self.layer_scale
 
     def scaled(self, y: Tensor) -> Tensor:
@@ -675,6 +687,8 @@ class MoEFeedForward(nn.Module):
                        if config.expert_groups > 1 else None)
         self.routed_scale = config.routed_scale
         self.register_buffer("selection_bias", torch.zeros(E) if config.expert_selection_bias else None)
+        self.router_norm = RMSNorm(D, config.norm_eps) if config.router_input_norm else None
+        self.expert_scales = nn.Parameter(torch.ones(E)) if config.router_input_norm else None
         self.act = ACTIVATIONS[config.hidden_act]
         self.swiglu_limit, self.swiglu_alpha = config.swiglu_limit, config.swiglu_alpha
         self.gate = nn.Linear(D, E, bias=config.moe_bias)
@@ -703,7 +717,7 @@ class MoEFeedForward(nn.Module):
         each expert's sigmoid (chosen by score + selection bias, within the best groups where the
         config has groups); renormalised unless the config says otherwise (Qwen3-MoE's
         norm_topk_prob=false), then scaled where it says so."""
-        logits = self.gate(x).float()  # (N, E)
+        logits = self.gate(x if self.router_norm is None else self.router_norm(x)).float()  # (N, E)
         scores = torch.sigmoid(logits) if self.sigmoid else F.softmax(logits, dim=-1)
         choice = scores if self.selection_bias is None else scores + self.selection_bias.float()
         if self.groups is not None:
@@ -712,6 +726,8 @@ class MoEFeedForward(nn.Module):
         weights = scores.gather(1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.expert_scales is not None:
+            weights = weights * self.expert_scales[experts].float()
         if self.routed_scale is not None:
             weights = weights * self.routed_scale
         return weights.to(x.dtype), experts
@@ -734,17 +750,18 @@ class MoEFeedForward(nn.Module):
         """w1, w3 (N, k, I, D), w2 (N, k, D, I) of the selected experts; compiled, the gather fuses into the matmuls."""
         return self.w1[experts], self.w3[experts], self.w2[experts]
 
-    def forward(self, x: Tensor) -> Tensor:
-        out = self.routed(x)
+    def forward(self, x: Tensor, route_from: Optional[Tensor] = None) -> Tensor:
+        """route_from: what the router reads where it is not x (Gemma 4's 26B)."""
+        out = self.routed(x, x if route_from is None else route_from)
         if self.shared_expert is None:
             return out
         shared = self.shared_expert(x)
         return out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * shared)
 
-    def routed(self, x: Tensor) -> Tensor:
+    def routed(self, x: Tensor, route_from: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, D)
-        weights, experts = self.route(x)
+        weights, experts = self.route(route_from.reshape(-1, shape[-1]))
         E = self.num_experts
         if not torch.compiler.is_compiling():
             # Eager: each expert runs on the tokens routed to it (data-dependent shapes, no copies).

@@ -84,6 +84,8 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
             attn.k_norm = ShardedRMSNorm(attn.k_norm, group, **shard)
         attn.register_forward_hook(_all_reduce_output(group))
         _shard_feed_forward(layer.feed_forward, group, **shard)
+        if layer.experts is not None:  # (Gemma 4's 26B: experts beside the dense feed-forward)
+            _shard_feed_forward(layer.experts, group, **shard)
 
     # The vocab projection is a large share of a small model's bytes per token: split it
     # by rows and gather the logits. A tied tok_embeddings stays whole (a lookup reads only B*T rows),

@@ -89,7 +89,16 @@ _POST = {k: v for k, v in _SANDWICH.items() if "pre_feedforward" not in k}
 FAMILY_WEIGHT_MAP = {
     "gemma2": _SANDWICH,
     "gemma3_text": _SANDWICH,
-    "gemma4_text": {**_SANDWICH, "model.layers.{}.layer_scalar": "layers.{}.layer_scale"},
+    "gemma4_text": {**_SANDWICH, "model.layers.{}.layer_scalar": "layers.{}.layer_scale",
+                    # the 26B's experts beside the dense feed-forward, their router and norms
+                    "model.layers.{}.experts.gate_up_proj": "layers.{}.experts.w13",
+                    "model.layers.{}.experts.down_proj": "layers.{}.experts.w2",
+                    "model.layers.{}.router.proj.weight": "layers.{}.experts.gate.weight",
+                    "model.layers.{}.router.scale": "layers.{}.experts.router_norm.weight",
+                    "model.layers.{}.router.per_expert_scale": "layers.{}.experts.expert_scales",
+                    "model.layers.{}.post_feedforward_layernorm_1.weight": "layers.{}.post_mlp_norm.weight",
+                    "model.layers.{}.pre_feedforward_layernorm_2.weight": "layers.{}.experts_norm.weight",
+                    "model.layers.{}.post_feedforward_layernorm_2.weight": "layers.{}.post_experts_norm.weight"},
     "olmo2": _POST,
     "olmo3": _POST,
     "exaone4": _POST,
@@ -237,7 +246,7 @@ def config_from_hf(hf: dict) -> ModelArgs:
     window, window_layers = sliding_window_from_hf(hf, model_type)
     # Qwen3-MoE's hub configs say num_experts, transformers 5 writes num_local_experts as Mixtral's do.
     experts = (hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0
-               if model_type in MOE else 0)
+               if model_type in MOE or model_type == "gemma4_text" and hf.get("enable_moe_block") else 0)
     dense, shared = None, None
     if model_type in ("qwen3_moe", "qwen2_moe"):
         dense = [i for i in range(n_layer) if i in (hf.get("mlp_only_layers") or [])
@@ -295,9 +304,9 @@ def config_from_hf(hf: dict) -> ModelArgs:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         sliding_window=window,
         num_experts=experts,
-        num_activated_experts=hf.get("num_experts_per_tok", 2),
+        num_activated_experts=hf.get("top_k_experts" if gemma4 else "num_experts_per_tok") or 2,
         moe_intermediate_size=(hf.get("moe_intermediate_size")
-                               if model_type in ("qwen3_moe", "qwen2_moe") + DEEPSEEK_MOE else None),
+                               if model_type in ("qwen3_moe", "qwen2_moe", "gemma4_text") + DEEPSEEK_MOE else None),
         shared_expert_size=shared,
         shared_expert_gate=model_type == "qwen2_moe" and shared is not None,
         router="sigmoid" if model_type in SIGMOID_ROUTER else "softmax",
@@ -337,6 +346,8 @@ def config_from_hf(hf: dict) -> ModelArgs:
         global_head_dim=global_head_dim,
         global_kv_heads=global_kv_heads,
         global_values_are_keys=gemma4 and bool(hf["attention_k_eq_v"]),
+        experts_beside_mlp=gemma4 and bool(experts),
+        router_input_norm=gemma4 and bool(experts),
         value_norm=gemma4,
         layer_scale=gemma4,
     )
@@ -347,9 +358,9 @@ def check_gemma4(hf: dict):
     if hf.get("hidden_size_per_layer_input"):
         raise ValueError(f"unsupported hidden_size_per_layer_input={hf['hidden_size_per_layer_input']} (Gemma 4's "
                          "per-layer input embeddings, E2B / E4B)")
-    for key in ("num_kv_shared_layers", "enable_moe_block"):
-        if hf.get(key):
-            raise ValueError(f"unsupported {key}={json.dumps(hf[key])} in the gemma4_text config.json")
+    if hf.get("num_kv_shared_layers"):
+        raise ValueError(f"unsupported num_kv_shared_layers={hf['num_kv_shared_layers']} (Gemma 4's shared KV, "
+                         "E2B / E4B)")
     if hf.get("use_bidirectional_attention") == "all":  # ("vision" concerns image tokens only)
         raise ValueError('unsupported use_bidirectional_attention="all" in the gemma4_text config.json')
 
@@ -578,6 +589,10 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
         if f + "w13.weight" in state:  # Phi-3's gate_up_proj
             state[f + "w1.weight"], state[f + "w3.weight"] = split_gate_up(state.pop(f + "w13.weight"))
         moe = config.num_experts and i not in (config.dense_layers or ())
+        if config.experts_beside_mlp:  # Gemma 4's 26B: the experts apart from the dense feed-forward
+            f, moe = f"layers.{i}.experts.", moe and f"layers.{i}.experts.w13" in state
+            if moe:  # its router's input scale times 1 / sqrt(dim), as transformers applies it
+                state[f + "router_norm.weight"] = state[f + "router_norm.weight"] * config.dim ** -0.5
         if model_type == "gpt_oss":
             gpt_oss_experts(state, f)
         elif moe and f + "w13" in state:

@@ -157,6 +157,12 @@ FAMILIES = {
         num_hidden_layers=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
         attention_k_eq_v=True, sliding_window=8, hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])),
+    # Gemma 4's 26B-A4B: experts beside each dense feed-forward, routed from the layer's input.
+    "gemma4_moe": ("Gemma4ForCausalLM", "Gemma4TextConfig", dict(
+        num_hidden_layers=2, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=8, hidden_size_per_layer_input=0, enable_moe_block=True,
+        num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+        layer_types=["sliding_attention", "full_attention"])),
     # Granite 3's multipliers (its 8B: 12, 1/128, 0.22, 16); untied: the tests' wide random
     # embeddings, times 12 and tied, would make greedy repeat the last token.
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(

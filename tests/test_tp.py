@@ -82,6 +82,8 @@ def checkpoints(tmp_path_factory):
         "deepseek_v3": save_and_convert(make_hf_model("deepseek_v3"), root / "deepseek_v3"),
         # Global layers with heads of their own size and count (values their keys), split apart from the local ones.
         "gemma4": save_and_convert(make_hf_model("gemma4", num_global_key_value_heads=2), root / "gemma4"),
+        # Experts beside the dense feed-forward: each split and all-reduced before its own norm.
+        "gemma4_moe": save_and_convert(make_hf_model("gemma4_moe", num_global_key_value_heads=2), root / "gemma4_moe"),
     }
     paths["qwen2_int8"] = quantize.quantize_checkpoint(paths["qwen2"], "int8")
     paths["llama_odd_vocab_int4"] = quantize.quantize_checkpoint(paths["llama_odd_vocab"], "int4", 32)
@@ -91,6 +93,7 @@ def checkpoints(tmp_path_factory):
     paths["gpt_oss_int8"] = quantize.quantize_checkpoint(paths["gpt_oss"], "int8")
     paths["glm4_moe_int8"] = quantize.quantize_checkpoint(paths["glm4_moe"], "int8")
     paths["deepseek_v3_int8"] = quantize.quantize_checkpoint(paths["deepseek_v3"], "int8")
+    paths["gemma4_moe_int8"] = quantize.quantize_checkpoint(paths["gemma4_moe"], "int8")
     return paths
 
 
@@ -107,7 +110,7 @@ def tp_results(checkpoints, tmp_path_factory):
                                   "llama_odd_vocab_int4:dequant", "moe_int8:dequant", "moe_int4:dequant",
                                   "qwen3_moe_int8:dequant", "gpt_oss", "gpt_oss_int8:dequant", "cohere2",
                                   "qwen2_moe", "glm4_moe", "glm4_moe_int8:dequant", "deepseek_v3",
-                                  "deepseek_v3_int8:dequant", "gemma4"])
+                                  "deepseek_v3_int8:dequant", "gemma4", "gemma4_moe", "gemma4_moe_int8:dequant"])
 def test_tp_matches_single_process(name, checkpoints, tp_results):
     """Sharded == whole to fp32 precision (quantized layers on the fp32 dequantize path)."""
     name, _, variant = name.partition(":")
