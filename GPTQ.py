@@ -159,9 +159,10 @@ def gptq_model(model: Transformer, tokens: Tensor, groupsize: int, percdamp: flo
     {module name: (RTN error, GPTQ error)} on the calibration inputs). The model's linears are left
     holding their dequantized GPTQ weights (the output projection untied from the embedding).
     """
-    if model.config.num_experts > 0 or model.config.kv_lora_rank:
+    c = model.config
+    if c.num_experts > 0 or c.kv_lora_rank or c.per_layer_input_size or c.kv_shared_layers:
         raise ValueError("int4-gptq supports dense feed-forward models with LLaMA's attention; quantize "
-                         "mixture-of-experts and latent-attention models with --mode int4")
+                         "mixture-of-experts, latent-attention and Gemma 4 E2B / E4B models with --mode int4")
     device = model.tok_embeddings.weight.device
     n, T = tokens.shape
     tokens = tokens.to(device)

@@ -103,6 +103,15 @@ class ModelArgs:
     global_values_are_keys: bool = False
     value_norm: bool = False  # values RMS-normalised per head, without a weight (Gemma 4)
     layer_scale: bool = False  # each layer's output times a learned scalar (Gemma 4)
+    # Gemma 4 E2B / E4B: each layer also adds a gated input of per_layer_input_size features of its own,
+    # from a per-layer embedding of the token (per_layer_vocab_size rows) and a projection of its
+    # embedding; the last kv_shared_layers layers attend to the keys and values of the last earlier layer
+    # of their kind (no k/v projections of their own), their feed-forward twice as wide where
+    # double_wide_mlp.
+    per_layer_input_size: Optional[int] = None
+    per_layer_vocab_size: Optional[int] = None
+    kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
 
     def __post_init__(self):
         self.check_types()
@@ -138,6 +147,13 @@ class ModelArgs:
             return self.head_dim, self.n_local_heads, False
         return (self.global_head_dim or self.head_dim, self.global_kv_heads or self.n_local_heads,
                 self.global_values_are_keys)
+
+    def kv_source(self, layer: int) -> Optional[int]:
+        """The earlier layer whose keys and values `layer` attends to (its own: None)."""
+        first = self.n_layer - self.kv_shared_layers
+        if layer < first:
+            return None
+        return max(i for i in range(first) if self.is_sliding(i) == self.is_sliding(layer))
 
     def local_rope(self) -> bool:
         """Whether the sliding-window layers have RoPE tables of their own (a base, or a head size, of their own)."""
@@ -180,6 +196,11 @@ class ModelArgs:
                              "(RoPE rotates pairs of dimensions)")
         if self.global_kv_heads is not None and (self.global_kv_heads < 1 or self.n_head % self.global_kv_heads):
             raise ValueError(f"n_head {self.n_head} is not a multiple of global_kv_heads {self.global_kv_heads}")
+        first = self.n_layer - self.kv_shared_layers
+        if not 0 <= self.kv_shared_layers < self.n_layer or self.kv_shared_layers and {
+                self.is_sliding(i) for i in range(first, self.n_layer)} - {self.is_sliding(i) for i in range(first)}:
+            raise ValueError(f"kv_shared_layers {self.kv_shared_layers} must leave, before them, a layer of each "
+                             f"kind they have (windowed or not) among the model's {self.n_layer}")
         if self.kv_lora_rank is not None and not (self.n_local_heads == 1 and self.v_head_dim and self.rope_dim
                                                   < self.head_dim and self.rope_dim % 2 == 0):
             raise ValueError(f"latent attention (kv_lora_rank {self.kv_lora_rank}) needs n_local_heads 1 (got "
@@ -326,6 +347,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        if config.per_layer_input_size:  # Gemma 4 E2B / E4B: every layer's own input, all layers' in one row
+            width = config.n_layer * config.per_layer_input_size
+            self.per_layer_embeddings = nn.Embedding(config.per_layer_vocab_size or config.vocab_size, width)
+            self.per_layer_projection = nn.Linear(config.dim, width, bias=False)
+            self.per_layer_norm = RMSNorm(config.per_layer_input_size, config.norm_eps, config.norm_offset)
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layer))
         self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset, config.norm_centered)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
@@ -350,7 +376,10 @@ class Transformer(nn.Module):
         dtype = dtype or self.kv_cache_dtype or weight.dtype
         device = device or weight.device
         self.max_seq_length, self.max_batch_size = max_seq_length, max_batch_size
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if c.kv_source(i) is not None:  # (Gemma 4 E2B / E4B: an earlier layer's cache, read, not written)
+                layer.attention.kv_cache = self.layers[c.kv_source(i)].attention.kv_cache
+                continue
             # Sliding-window layers keep every position too: the mask hides the old ones.
             if c.kv_lora_rank:  # one latent and its RoPE key per position; the values are the latent
                 cache = KVCache(max_batch_size, max_seq_length, 1, c.kv_lora_rank + c.rope_dim, dtype,
@@ -373,6 +402,16 @@ class Transformer(nn.Module):
             # Gemma rounds sqrt(dim) to the activation dtype before multiplying, as transformers does.
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype, device=x.device)
         return x
+
+    def per_layer_inputs(self, idx: Tensor, x: Tensor) -> Tensor:
+        """Gemma 4 E2B / E4B: each layer's input [B, T, n_layer, per_layer_input_size], the mean (over
+        sqrt 2) of the token's per-layer embedding and the normalised projection of its embedding x."""
+        c = self.config
+        shape = (*idx.shape, c.n_layer, c.per_layer_input_size)
+        token = self.per_layer_embeddings(idx)
+        token = token * torch.tensor(c.per_layer_input_size ** 0.5, dtype=token.dtype, device=token.device)
+        projected = self.per_layer_norm((self.per_layer_projection(x) * c.dim ** -0.5).reshape(shape))
+        return (projected + token.reshape(shape).to(x.dtype)) * 2 ** -0.5
 
     def forward(self, idx: Tensor, input_pos: Tensor, last_only: bool = False, from_start: bool = False,
                 cache_rows: Optional[Tensor] = None, logits_at: Optional[Tensor] = None,
@@ -404,8 +443,10 @@ class Transformer(nn.Module):
                                                              c.sliding_window if layer.sliding else None, kv_len,
                                                              layer.mask_kind[1])
         x = self.embed(idx)
-        for layer in self.layers:
-            x = layer(x, input_pos, local_rope if layer.sliding else rope, masks[layer.mask_kind], cache_rows)
+        per_layer = self.per_layer_inputs(idx, x) if c.per_layer_input_size else None
+        for i, layer in enumerate(self.layers):
+            x = layer(x, input_pos, local_rope if layer.sliding else rope, masks[layer.mask_kind], cache_rows,
+                      None if per_layer is None else per_layer[:, :, i])
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]  # (B, 1, D)
         elif last_only:
@@ -444,7 +485,10 @@ class TransformerBlock(nn.Module):
         self.sliding = config.is_sliding(layer_id)  # Transformer.forward hands it the window's mask (and local RoPE)
         self.attention = LatentAttention(config) if config.kv_lora_rank else Attention(config, layer_id)
         moe = config.num_experts > 0 and not config.experts_beside_mlp and layer_id not in (config.dense_layers or ())
-        self.feed_forward = MoEFeedForward(config) if moe else FeedForward(config)
+        wide = config.double_wide_mlp and config.kv_source(layer_id) is not None  # (Gemma 4 E2B / E4B)
+        self.feed_forward = (MoEFeedForward(config) if moe else
+                             FeedForward(replace(config, intermediate_size=2 * config.intermediate_size) if wide
+                                         else config))
         # Norms before and/or after each sublayer (BLOCK_NORMS); the missing ones are identities.
         pre, post = BLOCK_NORMS[config.block_norms]
         self.parallel = config.block_norms == "parallel"
@@ -458,6 +502,11 @@ class TransformerBlock(nn.Module):
         self.experts = MoEFeedForward(config) if beside else None
         if beside:  # the dense output's norm, the experts' input and output norms
             self.post_mlp_norm, self.experts_norm, self.post_experts_norm = (norm(True) for _ in range(3))
+        if config.per_layer_input_size:  # its per-layer input, gated by the hidden state, added back normalised
+            self.per_layer_gate = nn.Linear(config.dim, config.per_layer_input_size, bias=False)
+            self.per_layer_out = nn.Linear(config.per_layer_input_size, config.dim, bias=False)
+            self.per_layer_out_norm = norm(True)
+            self.act = ACTIVATIONS[config.hidden_act]
 
     @property
     def mask_kind(self) -> tuple:
@@ -465,7 +514,7 @@ class TransformerBlock(nn.Module):
         return self.sliding, self.attention.n_head // self.attention.n_local_heads
 
     def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Optional[Tensor],
-                cache_rows: Optional[Tensor] = None) -> Tensor:
+                cache_rows: Optional[Tensor] = None, per_layer_input: Optional[Tensor] = None) -> Tensor:
         if self.parallel:
             h = self.attention_norm(x)
             out = x + self.attention(h, input_pos, rope, mask, cache_rows) + self.feed_forward(h)
@@ -476,6 +525,9 @@ class TransformerBlock(nn.Module):
             if self.experts is not None:  # (Gemma 4's 26B) routed from h itself
                 y = self.post_mlp_norm(y) + self.post_experts_norm(self.experts(self.experts_norm(h), route_from=h))
             out = h + self.scaled(self.post_ffn_norm(y))
+        if per_layer_input is not None:
+            gated = self.act(self.per_layer_gate(out)) * per_layer_input
+            out = out + self.per_layer_out_norm(self.per_layer_out(gated))
         return out if self.layer_scale is None else out * self.layer_scale
 
     def scaled(self, y: Tensor) -> Tensor:
@@ -491,8 +543,11 @@ class Attention(nn.Module):
         super().__init__()
         head_dim, kv_heads, self.values_are_keys = config.attention_shape(layer_id)
         self.n_head, self.n_local_heads, self.head_dim = config.n_head, kv_heads, head_dim
+        # Gemma 4 E2B / E4B: a layer that attends to an earlier one's keys and values projects queries only.
+        self.reads_kv = config.kv_source(layer_id) is not None
+        kv_projections = 0 if self.reads_kv else 1 if self.values_are_keys else 2
         # q, k and v in one projection: one matrix-vector product per layer instead of three.
-        qkv_dim = (config.n_head + (1 if self.values_are_keys else 2) * kv_heads) * head_dim
+        qkv_dim = (config.n_head + kv_projections * kv_heads) * head_dim
         self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.attention_bias)
         self.wo = nn.Linear(config.n_head * head_dim, config.dim, bias=config.attention_out_bias)
         self.sinks = nn.Parameter(torch.empty(config.n_head)) if config.attention_sinks else None
@@ -517,7 +572,8 @@ class Attention(nn.Module):
             q_size, k_size = ((head_dim, head_dim) if config.qk_norm == "head" else
                               (config.n_head * head_dim, kv_heads * head_dim))
             self.q_norm = RMSNorm(q_size, config.norm_eps, config.norm_offset)
-            self.k_norm = RMSNorm(k_size, config.norm_eps, config.norm_offset)
+            if not self.reads_kv:
+                self.k_norm = RMSNorm(k_size, config.norm_eps, config.norm_offset)
 
     def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Optional[Tensor],
                 cache_rows: Optional[Tensor] = None) -> Tensor:
@@ -525,29 +581,25 @@ class Attention(nn.Module):
         where a query row may see a cache position; None when x is the whole sequence so far (from
         position 0): causal attention within x."""
         B, T, _ = x.shape
-        q_dim, kv_dim = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
-        if self.values_are_keys:  # (Gemma 4's global layers)
-            q, k = self.wqkv(x).split([q_dim, kv_dim], dim=-1)
-            v = k
-        else:
-            q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q_dim = self.n_head * self.head_dim
+        qkv = self.wqkv(x)
+        q = qkv[..., :q_dim]
         if self.qk_norm == "all":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
         q = q.view(B, T, self.n_head, self.head_dim)
-        k = k.view(B, T, self.n_local_heads, self.head_dim)
-        v = v.view(B, T, self.n_local_heads, self.head_dim)
-        if self.value_norm_eps is not None:  # RMS norm without a weight, in fp32 as the others
-            vf = v.float()
-            v = (vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + self.value_norm_eps)).type_as(v)
         if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
         if self.use_rope:
-            rotate = self.rotate if self.rotate is not None and not torch.compiler.is_compiling() else apply_rope
-            q, k = rotate(q, rope), rotate(k, rope)
+            q = self.rotated(q, rope)
         if self.query_scale is not None:
             q = q * long_context_query_scale(input_pos, *self.query_scale).to(q.dtype)[..., None, None]
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
-        self.kv_cache.update(input_pos, k, v, cache_rows)
+        q = q.transpose(1, 2)  # (B, nh, T, hd)
+        if self.reads_kv:  # (Gemma 4 E2B / E4B) the earlier layer wrote them, this pass's too
+            k, v = (t.to(q.dtype).contiguous() for t in self.kv_cache.read(B, cache_rows, T)) if mask is None else (
+                None, None)
+        else:
+            k, v = self.keys_values(qkv[..., q_dim:], rope)
+            self.kv_cache.update(input_pos, k, v, cache_rows)
         if mask is None:
             if self.attend_prompt is not None:
                 return self.wo(self.attend_prompt(q, k, v, self.scale))
@@ -578,6 +630,27 @@ class Attention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # (B, n_kv, rep * T, hd)
         # reshape, not view: CUDA's attention kernels return y in another memory layout.
         return self.wo(y.reshape(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, q_dim))
+
+    def keys_values(self, kv: Tensor, rope: Tensor) -> tuple:
+        """k, v [B, n_kv, T, hd] of the projection's key/value part [B, T, ...], normalised and rotated."""
+        B, T, _ = kv.shape
+        k, v = (kv, kv) if self.values_are_keys else kv.chunk(2, dim=-1)  # (Gemma 4's global layers)
+        if self.qk_norm == "all":
+            k = self.k_norm(k)
+        k = k.view(B, T, self.n_local_heads, self.head_dim)
+        v = v.view(B, T, self.n_local_heads, self.head_dim)
+        if self.value_norm_eps is not None:  # RMS norm without a weight, in fp32 as the others
+            vf = v.float()
+            v = (vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + self.value_norm_eps)).type_as(v)
+        if self.qk_norm == "head":
+            k = self.k_norm(k)
+        if self.use_rope:
+            k = self.rotated(k, rope)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def rotated(self, x: Tensor, rope: Tensor) -> Tensor:
+        rotate = self.rotate if self.rotate is not None and not torch.compiler.is_compiling() else apply_rope
+        return rotate(x, rope)
 
 
 class LatentAttention(nn.Module):

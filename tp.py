@@ -74,7 +74,8 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
             continue
         q_dim, kv_dim = attn.n_head * attn.head_dim, attn.n_local_heads * attn.head_dim
         # Contiguous blocks of query heads and of kv heads: each rank's query heads keep their GQA kv heads.
-        _shard_linear(attn.wqkv, "out", parts=[q_dim, kv_dim] + [kv_dim] * (not attn.values_are_keys), **shard)
+        kv_parts = 0 if attn.reads_kv else 1 if attn.values_are_keys else 2  # (Gemma 4)
+        _shard_linear(attn.wqkv, "out", parts=[q_dim] + [kv_dim] * kv_parts, **shard)
         _shard_linear(attn.wo, "in", **shard)
         if attn.sinks is not None:  # gpt-oss: one per query head, which split by blocks as wqkv's rows
             _replace(attn, "sinks", _take(attn.sinks, 0, rank, world_size))

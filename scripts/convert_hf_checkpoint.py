@@ -90,6 +90,13 @@ FAMILY_WEIGHT_MAP = {
     "gemma2": _SANDWICH,
     "gemma3_text": _SANDWICH,
     "gemma4_text": {**_SANDWICH, "model.layers.{}.layer_scalar": "layers.{}.layer_scale",
+                    # E2B / E4B: each layer's own input
+                    "model.embed_tokens_per_layer.weight": "per_layer_embeddings.weight",
+                    "model.per_layer_model_projection.weight": "per_layer_projection.weight",
+                    "model.per_layer_projection_norm.weight": "per_layer_norm.weight",
+                    "model.layers.{}.per_layer_input_gate.weight": "layers.{}.per_layer_gate.weight",
+                    "model.layers.{}.per_layer_projection.weight": "layers.{}.per_layer_out.weight",
+                    "model.layers.{}.post_per_layer_input_norm.weight": "layers.{}.per_layer_out_norm.weight",
                     # the 26B's experts beside the dense feed-forward, their router and norms
                     "model.layers.{}.experts.gate_up_proj": "layers.{}.experts.w13",
                     "model.layers.{}.experts.down_proj": "layers.{}.experts.w2",
@@ -144,7 +151,8 @@ HF_DEFAULTS = {
                         num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
                         rms_norm_eps=1e-6),
     "gemma4_text": dict(tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", sliding_window=512,
-                        rms_norm_eps=1e-6, hidden_size_per_layer_input=256, attention_k_eq_v=False),
+                        rms_norm_eps=1e-6, hidden_size_per_layer_input=256, vocab_size_per_layer_input=262_144,
+                        attention_k_eq_v=False),
     "smollm3": dict(tie_word_embeddings=True, no_rope_layer_interval=4),
     "qwen2": dict(max_window_layers=28),
     "qwen3": dict(max_window_layers=28),
@@ -346,6 +354,11 @@ def config_from_hf(hf: dict) -> ModelArgs:
         global_head_dim=global_head_dim,
         global_kv_heads=global_kv_heads,
         global_values_are_keys=gemma4 and bool(hf["attention_k_eq_v"]),
+        per_layer_input_size=hf["hidden_size_per_layer_input"] or None if gemma4 else None,
+        per_layer_vocab_size=hf.get("vocab_size_per_layer_input") if gemma4 and hf["hidden_size_per_layer_input"]
+        else None,
+        kv_shared_layers=hf.get("num_kv_shared_layers") or 0 if gemma4 else 0,
+        double_wide_mlp=gemma4 and bool(hf.get("use_double_wide_mlp")) and bool(hf.get("num_kv_shared_layers")),
         experts_beside_mlp=gemma4 and bool(experts),
         router_input_norm=gemma4 and bool(experts),
         value_norm=gemma4,
@@ -355,12 +368,6 @@ def config_from_hf(hf: dict) -> ModelArgs:
 
 def check_gemma4(hf: dict):
     """Gemma 4's pieces brisk does not run, refused by name."""
-    if hf.get("hidden_size_per_layer_input"):
-        raise ValueError(f"unsupported hidden_size_per_layer_input={hf['hidden_size_per_layer_input']} (Gemma 4's "
-                         "per-layer input embeddings, E2B / E4B)")
-    if hf.get("num_kv_shared_layers"):
-        raise ValueError(f"unsupported num_kv_shared_layers={hf['num_kv_shared_layers']} (Gemma 4's shared KV, "
-                         "E2B / E4B)")
     if hf.get("use_bidirectional_attention") == "all":  # ("vision" concerns image tokens only)
         raise ValueError('unsupported use_bidirectional_attention="all" in the gemma4_text config.json')
 
@@ -575,7 +582,8 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
         if config.kv_lora_rank:
             latent_attention(state, p, config, interleaved=model_type == "deepseek_v2" or hf_rope_interleave)
         for kind in ("weight", "bias") if not config.kv_lora_rank else ():
-            parts = [state.pop(p + f"w{x}.{kind}", None) for x in ("qk" if config.attention_shape(i)[2] else "qkv")]
+            names = "q" if config.kv_source(i) is not None else "qk" if config.attention_shape(i)[2] else "qkv"
+            parts = [state.pop(p + f"w{x}.{kind}", None) for x in names]
             if all(t is not None for t in parts):
                 state[p + f"wqkv.{kind}"] = torch.cat(parts)
             elif any(t is not None for t in parts):

@@ -163,6 +163,12 @@ FAMILIES = {
         attention_k_eq_v=True, sliding_window=8, hidden_size_per_layer_input=0, enable_moe_block=True,
         num_experts=4, top_k_experts=2, moe_intermediate_size=32,
         layer_types=["sliding_attention", "full_attention"])),
+    # Gemma 4 E2B / E4B: per-layer inputs, the last two layers on the keys and values of the last earlier
+    # layer of their kind (and their feed-forward twice as wide).
+    "gemma4_e2b": ("Gemma4ForCausalLM", "Gemma4TextConfig", dict(
+        num_hidden_layers=6, num_key_value_heads=1, head_dim=16, global_head_dim=32, sliding_window=8,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=256, num_kv_shared_layers=2,
+        use_double_wide_mlp=True, layer_types=["sliding_attention", "full_attention"] * 3)),
     # Granite 3's multipliers (its 8B: 12, 1/128, 0.22, 16); untied: the tests' wide random
     # embeddings, times 12 and tied, would make greedy repeat the last token.
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(

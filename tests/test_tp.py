@@ -84,6 +84,8 @@ def checkpoints(tmp_path_factory):
         "gemma4": save_and_convert(make_hf_model("gemma4", num_global_key_value_heads=2), root / "gemma4"),
         # Experts beside the dense feed-forward: each split and all-reduced before its own norm.
         "gemma4_moe": save_and_convert(make_hf_model("gemma4_moe", num_global_key_value_heads=2), root / "gemma4_moe"),
+        # Per-layer inputs (whole on every rank), layers reading an earlier one's split cache.
+        "gemma4_e2b": save_and_convert(make_hf_model("gemma4_e2b", num_key_value_heads=2), root / "gemma4_e2b"),
     }
     paths["qwen2_int8"] = quantize.quantize_checkpoint(paths["qwen2"], "int8")
     paths["llama_odd_vocab_int4"] = quantize.quantize_checkpoint(paths["llama_odd_vocab"], "int4", 32)
@@ -110,7 +112,8 @@ def tp_results(checkpoints, tmp_path_factory):
                                   "llama_odd_vocab_int4:dequant", "moe_int8:dequant", "moe_int4:dequant",
                                   "qwen3_moe_int8:dequant", "gpt_oss", "gpt_oss_int8:dequant", "cohere2",
                                   "qwen2_moe", "glm4_moe", "glm4_moe_int8:dequant", "deepseek_v3",
-                                  "deepseek_v3_int8:dequant", "gemma4", "gemma4_moe", "gemma4_moe_int8:dequant"])
+                                  "deepseek_v3_int8:dequant", "gemma4", "gemma4_moe", "gemma4_moe_int8:dequant",
+                                  "gemma4_e2b"])
 def test_tp_matches_single_process(name, checkpoints, tp_results):
     """Sharded == whole to fp32 precision (quantized layers on the fp32 dequantize path)."""
     name, _, variant = name.partition(":")
