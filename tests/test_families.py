@@ -499,3 +499,16 @@ def test_deepseek_v3_hub_config():
     mscale = 0.1 * math.log(40) + 1
     assert c.attention_scale == pytest.approx(192 ** -0.5 * mscale ** 2)
     assert c.rope_scaling["mscale"] == c.rope_scaling["mscale_all_dim"] == 1.0
+
+
+def test_gemma4_hub_config_names_the_global_shape():
+    """The hub's Gemma 4 configs give the global layers' shape as global_head_dim and
+    num_global_key_value_heads (the latter where attention_k_eq_v), transformers' saved ones per layer
+    (per_layer_config): both read the same."""
+    saved = make_hf_model("gemma4").config.to_dict()
+    hub = {k: v for k, v in saved.items() if k != "per_layer_config"}
+    hub.update(global_head_dim=32, num_global_key_value_heads=1)
+    assert config_from_hf(hub) == config_from_hf(saved)
+    assert (config_from_hf(hub).global_head_dim, config_from_hf(hub).global_kv_heads) == (32, 1)
+    hub["attention_k_eq_v"] = False  # the key/value heads then stay the local layers'
+    assert config_from_hf(hub).global_kv_heads is None
