@@ -243,8 +243,8 @@ def config_from_hf(hf: dict) -> ModelArgs:
     if act not in ACTIVATIONS:
         raise ValueError(f"unsupported {act_key} {act!r}; supported: {', '.join(ACTIVATIONS)}")
     gemma4 = model_type == "gemma4_text"
-    if gemma4:
-        check_gemma4(hf)
+    if gemma4 and hf.get("use_bidirectional_attention") == "all":  # ("vision" concerns image tokens only)
+        raise ValueError('unsupported use_bidirectional_attention="all" in the gemma4_text config.json')
     for key in ("mlp_bias", "attention_out_bias", "use_bias", "clip_qkv") + (
             ("use_bidirectional_attention",) if not gemma4 else ()) + (
             ("use_qk_norm",) if model_type not in ("glm4_moe", "minimax_m2") else ()) + (
@@ -328,9 +328,8 @@ def config_from_hf(hf: dict) -> ModelArgs:
                         or model_type != "deepseek_v2" and bool(hf.get("norm_topk_prob", True))),
         dense_layers=dense,
         qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "gemma4_text": "head", "exaone4": "head",
-                 "olmo2": "all",
-                 "olmo3": "all", "olmoe": "all", "dots1": "head", "minimax_m2": "all",
-                 "glm4_moe": "head" if hf.get("use_qk_norm") else None}.get(model_type),
+                 "dots1": "head", "glm4_moe": "head" if hf.get("use_qk_norm") else None,
+                 "olmo2": "all", "olmo3": "all", "olmoe": "all", "minimax_m2": "all"}.get(model_type),
         norm_offset=1.0 if gemma else 0.0,
         norm_centered=model_type in COHERE,
         block_norms=("sandwich" if gemma or gemma4 or model_type == "glm4" else "post" if model_type in POST_NORMS else
@@ -364,12 +363,6 @@ def config_from_hf(hf: dict) -> ModelArgs:
         value_norm=gemma4,
         layer_scale=gemma4,
     )
-
-
-def check_gemma4(hf: dict):
-    """Gemma 4's pieces brisk does not run, refused by name."""
-    if hf.get("use_bidirectional_attention") == "all":  # ("vision" concerns image tokens only)
-        raise ValueError('unsupported use_bidirectional_attention="all" in the gemma4_text config.json')
 
 
 def gemma4_global_attention(hf: dict, window_layers: Optional[list], n_layer: int) -> tuple:
