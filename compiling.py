@@ -182,7 +182,7 @@ def sequence_tensors(model) -> dict:
     for name, module in model.named_modules():
         if isinstance(module, KVCache):
             tensors[f"{name}.k_cache"] = module.k_cache
-            if module.v_cache is not None:  # (latent attention's values are its keys' first features)
+            if module.v_cache is not None:  # (a keys-only cache: latent attention's)
                 tensors[f"{name}.v_cache"] = module.v_cache
     for name in ("rope_cos_sin", "rope_local_cos_sin"):
         if getattr(model, name, None) is not None:

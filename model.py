@@ -299,14 +299,12 @@ PRESETS.update({
 class KVCache(nn.Module):
     """K/V of max_batch_size rows ("slots"), each up to max_seq_length positions."""
 
-    def __init__(self, max_batch_size, max_seq_length, n_heads, head_dim, dtype, value_dim: Optional[int] = None):
-        """value_dim: the values are the keys' first value_dim features (latent attention's latent), so
-        only the keys are stored."""
+    def __init__(self, max_batch_size, max_seq_length, n_heads, head_dim, dtype, values: bool = True):
+        """values False: keys only (latent attention, whose values are part of its keys)."""
         super().__init__()
         shape = (max_batch_size, n_heads, max_seq_length, head_dim)
-        self.value_dim = value_dim
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
-        self.register_buffer("v_cache", None if value_dim else torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype) if values else None, persistent=False)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Optional[Tensor], rows: Optional[Tensor] = None):
         """Write k/v [B, H, T, D] (v None where the keys hold the values) at positions input_pos ([T],
@@ -331,15 +329,13 @@ class KVCache(nn.Module):
 
     def read(self, B: int, rows: Optional[Tensor] = None, length: Optional[int] = None):
         """K/V [B, H, S, D] of cache rows `rows` (default: a view of rows 0..B-1), S = the first
-        `length` positions (default all)."""
-        k = self.k_cache[:B] if rows is None else self.k_cache[rows]
-        if self.v_cache is None:
-            v = k[..., :self.value_dim]
-        else:
-            v = self.v_cache[:B] if rows is None else self.v_cache[rows]
-        if length is not None:
-            k, v = k[:, :, :length], v[:, :, :length]
-        return k, v
+        `length` positions (default all); V None where the cache holds keys only."""
+        def read(cache):
+            if cache is None:
+                return None
+            cache = cache[:B] if rows is None else cache[rows]
+            return cache if length is None else cache[:, :, :length]
+        return read(self.k_cache), read(self.v_cache)
 
 
 class Transformer(nn.Module):
@@ -382,8 +378,7 @@ class Transformer(nn.Module):
                 continue
             # Sliding-window layers keep every position too: the mask hides the old ones.
             if c.kv_lora_rank:  # one latent and its RoPE key per position; the values are the latent
-                cache = KVCache(max_batch_size, max_seq_length, 1, c.kv_lora_rank + c.rope_dim, dtype,
-                                value_dim=c.kv_lora_rank)
+                cache = KVCache(max_batch_size, max_seq_length, 1, c.kv_lora_rank + c.rope_dim, dtype, values=False)
             else:
                 cache = KVCache(max_batch_size, max_seq_length, layer.attention.n_local_heads,
                                 layer.attention.head_dim, dtype)

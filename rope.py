@@ -59,8 +59,8 @@ def rope_frequencies(rope_dim: int, base: float, scaling: Optional[dict], seq_le
         # Gemma 4's global layers: the first partial_rotary_factor of the head's pairs turn at the whole
         # head's frequencies, the others not at all (partial rotary that keeps the full head's schedule).
         turning = int(scaling["partial_rotary_factor"] * rope_dim // 2)
-        return torch.cat([inv_freq[:turning], torch.zeros(rope_dim // 2 - turning, dtype=torch.float64)]) / scaling.get(
-            "factor", 1.0)
+        inv_freq = torch.cat([inv_freq[:turning], torch.zeros(rope_dim // 2 - turning, dtype=torch.float64)])
+        return inv_freq / scaling.get("factor", 1.0)
     raise ValueError(f"unsupported rope scaling {kind!r}; supported: {', '.join(ROPE_TYPES)}")
 
 

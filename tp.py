@@ -69,24 +69,12 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
         attn = layer.attention
         if isinstance(attn, LatentAttention):
             _shard_latent_attention(attn, **shard)
-            attn.register_forward_hook(_all_reduce_output(group))
-            _shard_feed_forward(layer.feed_forward, group, **shard)
-            continue
-        q_dim, kv_dim = attn.n_head * attn.head_dim, attn.n_local_heads * attn.head_dim
-        # Contiguous blocks of query heads and of kv heads: each rank's query heads keep their GQA kv heads.
-        kv_parts = 0 if attn.reads_kv else 1 if attn.values_are_keys else 2  # (Gemma 4)
-        _shard_linear(attn.wqkv, "out", parts=[q_dim] + [kv_dim] * kv_parts, **shard)
-        _shard_linear(attn.wo, "in", **shard)
-        if attn.sinks is not None:  # gpt-oss: one per query head, which split by blocks as wqkv's rows
-            _replace(attn, "sinks", _take(attn.sinks, 0, rank, world_size))
-        attn.n_head, attn.n_local_heads = attn.n_head // world_size, attn.n_local_heads // world_size
-        if c.qk_norm == "all":  # OLMo 2 normalises q (k) over all heads, which now span the ranks
-            attn.q_norm = ShardedRMSNorm(attn.q_norm, group, **shard)
-            attn.k_norm = ShardedRMSNorm(attn.k_norm, group, **shard)
+        else:
+            _shard_attention(attn, c.qk_norm, group, **shard)
         attn.register_forward_hook(_all_reduce_output(group))
-        _shard_feed_forward(layer.feed_forward, group, **shard)
-        if layer.experts is not None:  # (Gemma 4's 26B: experts beside the dense feed-forward)
-            _shard_feed_forward(layer.experts, group, **shard)
+        for ff in (layer.feed_forward, layer.experts):  # (experts: Gemma 4's 26B, beside the dense feed-forward)
+            if ff is not None:
+                _shard_feed_forward(ff, group, **shard)
 
     # The vocab projection is a large share of a small model's bytes per token: split it
     # by rows and gather the logits. A tied tok_embeddings stays whole (a lookup reads only B*T rows),
@@ -116,6 +104,21 @@ def _shard_feed_forward(ff: nn.Module, group, rank: int, world_size: int):
         _shard_linear(ff.w3, "out", **shard)
         _shard_linear(ff.w2, "in", **shard)
     ff.register_forward_hook(_all_reduce_output(group))
+
+
+def _shard_attention(attn: nn.Module, qk_norm, group, rank: int, world_size: int):
+    shard = dict(rank=rank, world_size=world_size)
+    q_dim, kv_dim = attn.n_head * attn.head_dim, attn.n_local_heads * attn.head_dim
+    # Contiguous blocks of query heads and of kv heads: each rank's query heads keep their GQA kv heads.
+    kv_parts = 0 if attn.reads_kv else 1 if attn.values_are_keys else 2  # (Gemma 4)
+    _shard_linear(attn.wqkv, "out", parts=[q_dim] + [kv_dim] * kv_parts, **shard)
+    _shard_linear(attn.wo, "in", **shard)
+    if attn.sinks is not None:  # gpt-oss: one per query head, which split by blocks as wqkv's rows
+        _replace(attn, "sinks", _take(attn.sinks, 0, rank, world_size))
+    attn.n_head, attn.n_local_heads = attn.n_head // world_size, attn.n_local_heads // world_size
+    if qk_norm == "all":  # OLMo 2 normalises q (k) over all heads, which now span the ranks
+        attn.q_norm = ShardedRMSNorm(attn.q_norm, group, **shard)
+        attn.k_norm = ShardedRMSNorm(attn.k_norm, group, **shard)
 
 
 def _shard_latent_attention(attn: LatentAttention, rank: int, world_size: int):

@@ -314,9 +314,10 @@ def rope_scaling_from_gguf(reader, arch, tensors, head_dim, rope_base):
             if (value := field(reader, f"{arch}.rope.scaling.{name}")) is not None:
                 scaling[key] = value
         if log_mul := field(reader, f"{arch}.rope.scaling.yarn_log_multiplier"):  # DeepSeek's mscale_all_dim (mscale 1)
-            scaling.update(mscale=1.0, mscale_all_dim=log_mul)
             if arch == "deepseek2":  # a tenth of it there, and DeepSeek's mscale equal to it (llama.cpp reads it so)
                 scaling.update(mscale=round(10 * log_mul, 6), mscale_all_dim=round(10 * log_mul, 6))
+            else:
+                scaling.update(mscale=1.0, mscale_all_dim=log_mul)
         return scaling
     if kind != "none":
         raise ValueError(f"unsupported GGUF rope scaling {kind!r}; supported: linear, yarn, LLaMA 3 rope_freqs")

@@ -173,7 +173,8 @@ HF_DEFAULTS = {
     "dots1": dict(norm_topk_prob=False, first_k_dense_replace=0, max_window_layers=62),
     "minimax_m2": dict(norm_topk_prob=True),
     "deepseek_v3": dict(n_shared_experts=1, first_k_dense_replace=3, norm_topk_prob=True, rope_interleave=True),
-    "deepseek_v2": dict(n_shared_experts=2, first_k_dense_replace=0, topk_method="greedy"),
+    "deepseek_v2": dict(n_shared_experts=2, first_k_dense_replace=0, topk_method="greedy",
+                        rope_interleave=True),  # (V2 has no switch: it always rotates neighbouring pairs)
     "glm4_moe_lite": dict(n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True, rope_interleave=True),
     "mistral4": dict(n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=True, rope_interleave=True),
 }
@@ -223,6 +224,11 @@ def text_tensor_name(name: str) -> Optional[str]:
     return name if name.startswith("lm_head.") else None
 
 
+def with_defaults(hf: dict) -> dict:
+    """A config.json with transformers' defaults for the keys its family lets it leave out (HF_DEFAULTS)."""
+    return {**HF_DEFAULTS.get(hf.get("model_type"), {}), **hf}
+
+
 def config_from_hf(hf: dict) -> ModelArgs:
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED:
@@ -234,7 +240,7 @@ def config_from_hf(hf: dict) -> ModelArgs:
         raise ValueError(f"this checkpoint's weights are quantized ({quantized.get('quant_method')!r} in "
                          "quantization_config); convert the full-precision (bf16) release of the model, then "
                          "quantize it with quantize.py")
-    hf = {**HF_DEFAULTS.get(model_type, {}), **hf}
+    hf = with_defaults(hf)
     n_layer, n_head = hf["num_hidden_layers"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
     rope_base, rope_scaling, rope_local_base, partial = rope_from_hf(hf, model_type)
@@ -573,7 +579,7 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
     for i in range(config.n_layer):
         p = f"layers.{i}.attention."
         if config.kv_lora_rank:
-            latent_attention(state, p, config, interleaved=model_type == "deepseek_v2" or hf_rope_interleave)
+            latent_attention(state, p, config, interleaved=hf_rope_interleave)
         for kind in ("weight", "bias") if not config.kv_lora_rank else ():
             names = "q" if config.kv_source(i) is not None else "qk" if config.attention_shape(i)[2] else "qkv"
             parts = [state.pop(p + f"w{x}.{kind}", None) for x in names]
@@ -745,8 +751,7 @@ def convert_hf_checkpoint(checkpoint_dir: Path, output_dir: Path = None) -> Path
         print(f"dequantizing the FP8 weights ({block[0]}x{block[1]} blocks)", file=sys.stderr, flush=True)
         hf_state = fp8_dequantized(hf_state, block)
     state = convert_state_dict(hf_state, config, hf_config["model_type"], multimodal=hf_config is not outer,
-                               hf_rope_interleave=bool({**HF_DEFAULTS.get(hf_config["model_type"], {}),
-                                                        **hf_config}.get("rope_interleave")))
+                               hf_rope_interleave=bool(with_defaults(hf_config).get("rope_interleave")))
     check_against_model(state, config)
 
     output_dir.mkdir(parents=True, exist_ok=True)
