@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn import functional as F
 
+from linear_attention import GatedDeltaNet
 from rope import apply_rope, precompute_rope, rope_frequencies
 
 
@@ -112,6 +113,17 @@ class ModelArgs:
     per_layer_vocab_size: Optional[int] = None
     kv_shared_layers: int = 0
     double_wide_mlp: bool = False
+    # Qwen3-Next / Qwen3.5: these layers mix tokens by Gated DeltaNet (linear_attention.py), a state of
+    # linear_value_heads matrices [linear_key_dim, linear_value_dim] per sequence instead of a KV cache,
+    # with linear_key_heads query/key heads and a causal convolution of linear_conv_kernel taps; the
+    # other layers' attention output is gated by sigmoid of a projection of the input.
+    linear_attention_layers: Optional[list] = None
+    linear_key_heads: int = 16
+    linear_value_heads: int = 32
+    linear_key_dim: int = 128
+    linear_value_dim: int = 128
+    linear_conv_kernel: int = 4
+    attention_output_gate: bool = False
 
     def __post_init__(self):
         self.check_types()
@@ -136,6 +148,9 @@ class ModelArgs:
             if value not in valid:
                 raise ValueError(f"unsupported {name} {value!r}; supported: {', '.join(map(str, valid))}")
         self.check_values()
+
+    def is_linear(self, layer: int) -> bool:
+        return layer in (self.linear_attention_layers or ())
 
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window is not None and (self.sliding_window_layers is None
@@ -206,6 +221,11 @@ class ModelArgs:
             raise ValueError(f"latent attention (kv_lora_rank {self.kv_lora_rank}) needs n_local_heads 1 (got "
                              f"{self.n_local_heads}), a v_head_dim (got {self.v_head_dim}) and an even rope_dim "
                              f"below head_dim (got {self.rope_dim} of {self.head_dim})")
+        if self.linear_attention_layers and (self.linear_value_heads % self.linear_key_heads
+                                             or self.linear_conv_kernel < 1 or self.kv_shared_layers):
+            raise ValueError(f"linear_value_heads {self.linear_value_heads} must be a multiple of linear_key_heads "
+                             f"{self.linear_key_heads} and linear_conv_kernel {self.linear_conv_kernel} positive "
+                             "(and no kv_shared_layers beside linear attention)")
         if self.rope_base <= 0 or self.norm_eps <= 0:
             raise ValueError(f"rope_base and norm_eps must be positive, got {self.rope_base}, {self.norm_eps}")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -373,6 +393,9 @@ class Transformer(nn.Module):
         device = device or weight.device
         self.max_seq_length, self.max_batch_size = max_seq_length, max_batch_size
         for i, layer in enumerate(self.layers):
+            if c.is_linear(i):  # (Qwen3.5) a state per row, not per position
+                layer.attention.state = layer.attention.make_state(max_batch_size, dtype).to(device)
+                continue
             if c.kv_source(i) is not None:  # (Gemma 4 E2B / E4B: an earlier layer's cache, read, not written)
                 layer.attention.kv_cache = self.layers[c.kv_source(i)].attention.kv_cache
                 continue
@@ -410,7 +433,7 @@ class Transformer(nn.Module):
 
     def forward(self, idx: Tensor, input_pos: Tensor, last_only: bool = False, from_start: bool = False,
                 cache_rows: Optional[Tensor] = None, logits_at: Optional[Tensor] = None,
-                kv_len: Optional[int] = None) -> Tensor:
+                kv_len: Optional[int] = None, lengths: Optional[Tensor] = None) -> Tensor:
         """idx: [B, T] token ids at positions input_pos, [T] (every row the same) or [B, T] (each
         row its own: a batch of independent sequences); returns logits [B, T, vocab].
 
@@ -423,6 +446,11 @@ class Transformer(nn.Module):
         whole prompt is a large part of a small model's prefill); from_start says that every row's
         positions are arange(T), so attention needs nothing from the cache and runs as SDPA's
         causal kernel over the prompt, cheaper than a mask over the cache.
+
+        lengths [B]: how many of its T tokens each row really has (default all); the rest are padding
+        (a right-padded batch of prompts) or the whole row is (lengths 0: a row that rides along in a
+        step of fixed shape). Attention needs no telling (its mask keeps real tokens from seeing later
+        positions); linear attention's state must not take them in.
         """
         if self.rope_cos_sin is None:  # not the int: a compiled step would be specialised to its value
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before the forward pass")
@@ -433,7 +461,10 @@ class Transformer(nn.Module):
         # size, where the two kinds differ: Gemma 4), each built only when some layer needs it.
         masks = {}
         for layer in self.layers:
-            if layer.mask_kind not in masks:
+            if layer.mask_kind == "tokens":  # (linear attention) which tokens are real
+                masks["tokens"] = None if lengths is None else (
+                    torch.arange(idx.shape[1], device=idx.device) < lengths[:, None])
+            elif layer.mask_kind not in masks:
                 masks[layer.mask_kind] = self.attention_mask(input_pos, idx.shape[1], from_start,
                                                              c.sliding_window if layer.sliding else None, kv_len,
                                                              layer.mask_kind[1])
@@ -478,7 +509,11 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelArgs, layer_id: int):
         super().__init__()
         self.sliding = config.is_sliding(layer_id)  # Transformer.forward hands it the window's mask (and local RoPE)
-        self.attention = LatentAttention(config) if config.kv_lora_rank else Attention(config, layer_id)
+        c = config
+        self.linear = c.is_linear(layer_id)  # a recurrent state, no KV cache (Qwen3.5's Gated DeltaNet)
+        self.attention = (GatedDeltaNet(c.dim, c.linear_key_heads, c.linear_value_heads, c.linear_key_dim,
+                                        c.linear_value_dim, c.linear_conv_kernel, c.norm_eps) if c.is_linear(layer_id)
+                          else LatentAttention(c) if c.kv_lora_rank else Attention(c, layer_id))
         moe = config.num_experts > 0 and not config.experts_beside_mlp and layer_id not in (config.dense_layers or ())
         wide = config.double_wide_mlp and config.kv_source(layer_id) is not None  # (Gemma 4 E2B / E4B)
         self.feed_forward = (MoEFeedForward(config) if moe else
@@ -504,8 +539,11 @@ class TransformerBlock(nn.Module):
             self.act = ACTIVATIONS[config.hidden_act]
 
     @property
-    def mask_kind(self) -> tuple:
-        """(windowed, query heads per key/value head): the layers that share an attention mask."""
+    def mask_kind(self):
+        """(windowed, query heads per key/value head): the layers that share an attention mask;
+        "tokens" for linear attention's, which says which tokens are real."""
+        if self.linear:
+            return "tokens"
         return self.sliding, self.attention.n_head // self.attention.n_local_heads
 
     def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Optional[Tensor],
@@ -542,7 +580,9 @@ class Attention(nn.Module):
         self.reads_kv = config.kv_source(layer_id) is not None
         kv_projections = 0 if self.reads_kv else 1 if self.values_are_keys else 2
         # q, k and v in one projection: one matrix-vector product per layer instead of three.
-        qkv_dim = (config.n_head + kv_projections * kv_heads) * head_dim
+        # (Qwen3.5's full-attention layers: and a gate on each head's output, last)
+        self.output_gate = config.attention_output_gate
+        qkv_dim = (config.n_head * (1 + self.output_gate) + kv_projections * kv_heads) * head_dim
         self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.attention_bias)
         self.wo = nn.Linear(config.n_head * head_dim, config.dim, bias=config.attention_out_bias)
         self.sinks = nn.Parameter(torch.empty(config.n_head)) if config.attention_sinks else None
@@ -578,6 +618,9 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q_dim = self.n_head * self.head_dim
         qkv = self.wqkv(x)
+        gate = None
+        if self.output_gate:
+            qkv, gate = qkv[..., :-q_dim], qkv[..., -q_dim:]
         q = qkv[..., :q_dim]
         if self.qk_norm == "all":
             q = self.q_norm(q)
@@ -597,10 +640,10 @@ class Attention(nn.Module):
             self.kv_cache.update(input_pos, k, v, cache_rows)
         if mask is None:
             if self.attend_prompt is not None:
-                return self.wo(self.attend_prompt(q, k, v, self.scale))
+                return self.out(self.attend_prompt(q, k, v, self.scale), gate)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                enable_gqa=k.shape[1] != q.shape[1])
-            return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
+            return self.out(y.transpose(1, 2).reshape(B, T, q_dim), gate)
         # GQA: the query heads that share a key/value head become rows of one attention over it.
         # SDPA's own enable_gqa gives the same result but runs far slower in bf16 on the CPU at long
         # contexts (README, How it works).
@@ -624,7 +667,11 @@ class Attention(nn.Module):
             else:
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # (B, n_kv, rep * T, hd)
         # reshape, not view: CUDA's attention kernels return y in another memory layout.
-        return self.wo(y.reshape(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, q_dim))
+        return self.out(y.reshape(B, self.n_head, T, self.head_dim).transpose(1, 2).reshape(B, T, q_dim), gate)
+
+    def out(self, y: Tensor, gate: Optional[Tensor]) -> Tensor:
+        """The output projection of the heads' outputs y [B, T, n_head * head_dim], gated where the model is."""
+        return self.wo(y if gate is None else y * torch.sigmoid(gate))
 
     def keys_values(self, kv: Tensor, rope: Tensor) -> tuple:
         """k, v [B, n_kv, T, hd] of the projection's key/value part [B, T, ...], normalised and rotated."""

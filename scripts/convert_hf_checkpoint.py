@@ -27,7 +27,8 @@ from rope import ROPE_TYPES, rope_type  # noqa: E402
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3",
              "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4", "gpt_oss", "ernie4_5",
              "ministral3", "cohere", "cohere2", "olmoe", "granitemoe", "qwen2_moe", "glm4_moe", "dots1", "minimax_m2",
-             "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4", "gemma4_text")
+             "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4", "gemma4_text", "qwen3_5_text",
+             "qwen3_5_moe_text", "qwen3_next")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 
@@ -127,6 +128,12 @@ FAMILY_WEIGHT_MAP = {
     "granitemoe": {"model.layers.{}.block_sparse_moe.input_linear.weight": "layers.{}.feed_forward.w13",
                    "model.layers.{}.block_sparse_moe.output_linear.weight": "layers.{}.feed_forward.w2",
                    "model.layers.{}.block_sparse_moe.router.layer.weight": "layers.{}.feed_forward.gate.weight"},
+    # Qwen3.5 / Qwen3-Next: Gated DeltaNet layers, their input projections fused into w_in below
+    **{family: {f"model.layers.{{}}.linear_attn.{hf}": f"layers.{{}}.attention.{ours}" for hf, ours in (
+        ("in_proj_qkv.weight", "w_qkv"), ("in_proj_z.weight", "w_z"), ("in_proj_b.weight", "w_b"),
+        ("in_proj_a.weight", "w_a"), ("in_proj_qkvz.weight", "w_qkvz"), ("in_proj_ba.weight", "w_ba"),
+        ("conv1d.weight", "conv"), ("A_log", "A_log"), ("dt_bias", "dt_bias"), ("norm.weight", "norm_weight"),
+        ("out_proj.weight", "wo.weight"))} for family in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")},
     # GLM-4: norms after each sublayer too, named its own way.
     "glm4": {"model.layers.{}.post_self_attn_layernorm.weight": "layers.{}.post_attention_norm.weight",
              "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
@@ -139,6 +146,9 @@ IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                  ("language_model.lm_head.", "lm_head."), ("model.lm_head.", "lm_head."))
 
+_LINEAR_ATTENTION = dict(head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                         linear_num_key_heads=16, linear_num_value_heads=32, full_attention_interval=4,
+                         rms_norm_eps=1e-6)
 _GRANITE = dict(embedding_multiplier=1.0, attention_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0)
 # transformers' defaults for the keys a hub config.json of the family may leave out.
 HF_DEFAULTS = {
@@ -177,10 +187,17 @@ HF_DEFAULTS = {
                         rope_interleave=True),  # (V2 has no switch: it always rotates neighbouring pairs)
     "glm4_moe_lite": dict(n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True, rope_interleave=True),
     "mistral4": dict(n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=True, rope_interleave=True),
+    **{family: dict(_LINEAR_ATTENTION, **extra) for family, extra in (
+        ("qwen3_5_text", {}), ("qwen3_5_moe_text", dict(norm_topk_prob=True)),
+        ("qwen3_next", dict(norm_topk_prob=True, decoder_sparse_step=1)))},
 }
 DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0, "cohere": 500_000.0,
                      "minimax_m2": 5_000_000.0}
-PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5, "glm4_moe": 0.5}  # transformers' defaults where a config leaves it out
+# Qwen3.5 / Qwen3-Next: Gated DeltaNet on 3 layers in 4, a gate on the others' attention output, Gemma's
+# (1 + weight) norms but for the one inside Gated DeltaNet
+LINEAR_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+# transformers' defaults where a config leaves it out
+PARTIAL_ROTARY = {"glm": 0.5, "glm4": 0.5, "glm4_moe": 0.5, **{family: 0.25 for family in LINEAR_ATTENTION}}
 # RoPE on pairs (0, 1), (2, 3), ...: the converter reorders q/k rows to halves
 INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "cohere", "cohere2")
 COHERE = ("cohere", "cohere2")  # one LayerNorm (no bias) before attention and feed-forward, side by side
@@ -196,7 +213,8 @@ MLA = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4")
 # selection bias (V2 and Mistral 4 route by softmax)
 DEEPSEEK_MOE = ("glm4_moe", "dots1") + MLA
 SIGMOID_ROUTER = ("glm4_moe", "dots1", "minimax_m2", "deepseek_v3", "glm4_moe_lite")
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "granitemoe", "minimax_m2") + DEEPSEEK_MOE
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "granitemoe", "minimax_m2", "qwen3_5_moe_text",
+       "qwen3_next") + DEEPSEEK_MOE
 # Checkpoints that keep multi-token-prediction layers after the last (GLM-4.5's, DeepSeek V3's): brisk
 # does not run them
 MTP_LAYERS = ("glm4_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite")
@@ -262,11 +280,17 @@ def config_from_hf(hf: dict) -> ModelArgs:
     experts = (hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0
                if model_type in MOE or model_type == "gemma4_text" and hf.get("enable_moe_block") else 0)
     dense, shared = None, None
-    if model_type in ("qwen3_moe", "qwen2_moe"):
+    if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         dense = [i for i in range(n_layer) if i in (hf.get("mlp_only_layers") or [])
                  or (i + 1) % hf["decoder_sparse_step"]] or None
-    if model_type == "qwen2_moe":
+    if model_type in ("qwen2_moe", "qwen3_5_moe_text", "qwen3_next"):
         shared = hf.get("shared_expert_intermediate_size") or None
+    linear = model_type in LINEAR_ATTENTION
+    linear_layers = None
+    if linear:
+        types = hf.get("layer_types") or ["full_attention" if (i + 1) % hf["full_attention_interval"] == 0
+                                          else "linear_attention" for i in range(n_layer)]
+        linear_layers = [i for i, t in enumerate(types) if t == "linear_attention"] or None
     if model_type in DEEPSEEK_MOE:
         types = hf.get("mlp_layer_types")  # GLM-4.7-Flash's form
         dense = ([i for i, t in enumerate(types) if t == "dense"] if types
@@ -300,7 +324,8 @@ def config_from_hf(hf: dict) -> ModelArgs:
         n_layer=n_layer,
         n_head=n_head,
         dim=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
+        # (Qwen3.5's MoE models have experts in every layer and no dense size)
+        intermediate_size=hf["moe_intermediate_size"] if model_type == "qwen3_5_moe_text" else hf["intermediate_size"],
         n_local_heads=n_kv_heads,
         head_dim=head_dim,
         rope_base=rope_base,
@@ -319,10 +344,10 @@ def config_from_hf(hf: dict) -> ModelArgs:
         sliding_window=window,
         num_experts=experts,
         num_activated_experts=hf.get("top_k_experts" if gemma4 else "num_experts_per_tok") or 2,
-        moe_intermediate_size=(hf.get("moe_intermediate_size")
-                               if model_type in ("qwen3_moe", "qwen2_moe", "gemma4_text") + DEEPSEEK_MOE else None),
+        moe_intermediate_size=(hf.get("moe_intermediate_size") if model_type in (
+            "qwen3_moe", "qwen2_moe", "gemma4_text", "qwen3_5_moe_text", "qwen3_next") + DEEPSEEK_MOE else None),
         shared_expert_size=shared,
-        shared_expert_gate=model_type == "qwen2_moe" and shared is not None,
+        shared_expert_gate=model_type in ("qwen2_moe", "qwen3_5_moe_text", "qwen3_next") and shared is not None,
         router="sigmoid" if model_type in SIGMOID_ROUTER else "softmax",
         expert_selection_bias=model_type in SIGMOID_ROUTER,
         expert_groups=groups[0],
@@ -335,8 +360,9 @@ def config_from_hf(hf: dict) -> ModelArgs:
         dense_layers=dense,
         qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "gemma4_text": "head", "exaone4": "head",
                  "dots1": "head", "glm4_moe": "head" if hf.get("use_qk_norm") else None,
+                 **{family: "head" for family in LINEAR_ATTENTION},
                  "olmo2": "all", "olmo3": "all", "olmoe": "all", "minimax_m2": "all"}.get(model_type),
-        norm_offset=1.0 if gemma else 0.0,
+        norm_offset=1.0 if gemma or linear else 0.0,
         norm_centered=model_type in COHERE,
         block_norms=("sandwich" if gemma or gemma4 or model_type == "glm4" else "post" if model_type in POST_NORMS else
                      "parallel" if model_type in COHERE else "pre"),
@@ -368,6 +394,10 @@ def config_from_hf(hf: dict) -> ModelArgs:
         router_input_norm=gemma4 and bool(experts),
         value_norm=gemma4,
         layer_scale=gemma4,
+        linear_attention_layers=linear_layers,
+        **(dict(linear_key_heads=hf["linear_num_key_heads"], linear_value_heads=hf["linear_num_value_heads"],
+                linear_key_dim=hf["linear_key_head_dim"], linear_value_dim=hf["linear_value_head_dim"],
+                linear_conv_kernel=hf["linear_conv_kernel_dim"], attention_output_gate=True) if linear else {}),
     )
 
 
@@ -569,6 +599,8 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
         layer = re.match(r"model\.layers\.(\d+)\.", name or "")
         if model_type in MTP_LAYERS and layer and int(layer[1]) >= config.n_layer:
             mtp.add(int(layer[1]))
+        elif model_type in LINEAR_ATTENTION and (name or "").startswith("mtp."):  # (Qwen3-Next's, Qwen3.5's)
+            mtp.add(0)
         elif name is not None and not IGNORED.fullmatch(name):
             state[rename(name, weight_map)] = tensor
     if mtp:
@@ -578,11 +610,20 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
         state.pop("output.weight", None)  # the loader ties it to tok_embeddings
     for i in range(config.n_layer):
         p = f"layers.{i}.attention."
+        linear = config.is_linear(i)
+        if linear:
+            gated_delta_net(state, p, config)
+        elif config.attention_output_gate:  # q_proj holds each head's query and then its gate: the gates go last
+            q = state.pop(p + "wq.weight").view(config.n_head, 2, config.head_dim, -1)
+            state[p + "wq.weight"], state[p + "wgate.weight"] = (t.reshape(config.n_head * config.head_dim, -1)
+                                                                  for t in q.unbind(1))
         if config.kv_lora_rank:
             latent_attention(state, p, config, interleaved=hf_rope_interleave)
-        for kind in ("weight", "bias") if not config.kv_lora_rank else ():
+        for kind in ("weight", "bias") if not (config.kv_lora_rank or linear) else ():
             names = "q" if config.kv_source(i) is not None else "qk" if config.attention_shape(i)[2] else "qkv"
             parts = [state.pop(p + f"w{x}.{kind}", None) for x in names]
+            if config.attention_output_gate and kind == "weight":
+                parts.append(state.pop(p + "wgate.weight"))
             if all(t is not None for t in parts):
                 state[p + f"wqkv.{kind}"] = torch.cat(parts)
             elif any(t is not None for t in parts):
@@ -612,6 +653,22 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
                     raise ValueError(f"layer {i}: {w} is missing experts in the HF checkpoint")
                 state[f + w] = torch.stack(experts)
     return state
+
+
+def gated_delta_net(state: dict, p: str, config: ModelArgs):
+    """Gated DeltaNet's weights (names under prefix p): its input projections fused into w_in as
+    [q, k, v, z, b, a] (Qwen3.5 keeps four of them; Qwen3-Next two, [q, k, v, z] and [b, a] per key head,
+    whose rows are regrouped by kind), the depthwise convolution's [channels, 1, kernel] as [channels, kernel]."""
+    kh, vh, dk, dv = config.linear_key_heads, config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
+    if p + "w_qkvz" in state:
+        r = vh // kh  # value heads per key head
+        q, k, v, z = state.pop(p + "w_qkvz").view(kh, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], 1)
+        b, a = state.pop(p + "w_ba").view(kh, 2 * r, -1).split([r, r], 1)
+        parts = [q, k, v, z, b, a]
+    else:
+        parts = [state.pop(p + f"w_{x}") for x in ("qkv", "z", "b", "a")]
+    state[p + "w_in.weight"] = torch.cat([t.reshape(-1, t.shape[-1]) for t in parts])
+    state[p + "conv"] = state[p + "conv"].squeeze(1)
 
 
 def latent_attention(state: dict, p: str, config: ModelArgs, interleaved: bool):

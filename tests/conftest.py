@@ -169,6 +169,21 @@ FAMILIES = {
         num_hidden_layers=6, num_key_value_heads=1, head_dim=16, global_head_dim=32, sliding_window=8,
         hidden_size_per_layer_input=8, vocab_size_per_layer_input=256, num_kv_shared_layers=2,
         use_double_wide_mlp=True, layer_types=["sliding_attention", "full_attention"] * 3)),
+    # Qwen3.5: Gated DeltaNet on 3 layers in 4 (two key heads, each serving two value heads), gated
+    # attention with partial RoPE on the 4th.
+    "qwen3_5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=8)),
+    # Qwen3.5's MoE models: experts and a gated shared expert in every layer.
+    "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48)),
+    # Qwen3-Next: the same layers, its projections fused per key head; a dense second layer.
+    "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1])),
     # Granite 3's multipliers (its 8B: 12, 1/128, 0.22, 16); untied: the tests' wide random
     # embeddings, times 12 and tied, would make greedy repeat the last token.
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(

@@ -1,0 +1,169 @@
+# Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
+"""Gated DeltaNet (Qwen3-Next, Qwen3.5): linear attention whose memory is a fixed-size state per
+sequence instead of a KV cache that grows with it.
+
+Each value head keeps a matrix S [key_dim, value_dim]. A token decays it by exp(g) and writes its
+value under its key by the delta rule, the correction of what S already recalls for that key:
+
+    S <- exp(g) S;   S <- S + beta k (v - S^T k)^T;   out = S^T q
+
+with q and k L2-normalised (q also by sqrt(key_dim)), beta = sigmoid(b) and g = -exp(A_log) *
+softplus(a + dt_bias) from the token. Before that, q, k and v go through a short causal depthwise
+convolution (its last kernel - 1 inputs are state too); after, each head's output is RMS-normalised
+and gated by silu(z).
+
+A prompt runs in chunks of CHUNK tokens (the "WY" form of the delta rule: within a chunk the updates
+are solved as one triangular system, across chunks the state carries), a decode step as the
+recurrence itself. `recurrence` is the plain loop, the reference the tests hold both to.
+"""
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.nn import functional as F
+
+CHUNK = 64
+
+
+class RecurrentState(nn.Module):
+    """A layer's state for max_batch_size rows ("slots"): the convolution's last inputs and the
+    delta rule's matrices. Unlike a KV cache it stands at one position, the last its row consumed."""
+
+    def __init__(self, max_batch_size: int, channels: int, kernel: int, heads: int, key_dim: int, value_dim: int,
+                 dtype):
+        super().__init__()
+        self.register_buffer("conv", torch.zeros(max_batch_size, channels, kernel - 1, dtype=dtype), persistent=False)
+        # fp32 whatever the model's dtype: the state sums every token so far, as transformers keeps it.
+        self.register_buffer("memory", torch.zeros(max_batch_size, heads, key_dim, value_dim), persistent=False)
+
+    def read(self, B: int, rows: Optional[Tensor]) -> tuple:
+        return (self.conv[:B], self.memory[:B]) if rows is None else (self.conv[rows], self.memory[rows])
+
+    def write(self, conv: Tensor, memory: Tensor, rows: Optional[Tensor]):
+        if rows is None:
+            self.conv[:conv.shape[0]], self.memory[:memory.shape[0]] = conv, memory
+        else:
+            self.conv[rows], self.memory[rows] = conv, memory
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, dim: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int, kernel: int,
+                 norm_eps: float):
+        super().__init__()
+        self.key_heads, self.value_heads, self.key_dim, self.value_dim = key_heads, value_heads, key_dim, value_dim
+        self.kernel = kernel
+        self.channels = 2 * key_heads * key_dim + value_heads * value_dim  # q, k, v: what the convolution mixes
+        # q, k, v, the output gate z, and b, a (each one per value head) in one projection: one
+        # matrix-vector product per layer in a decode step.
+        self.w_in = nn.Linear(dim, self.channels + value_heads * value_dim + 2 * value_heads, bias=False)
+        self.conv = nn.Parameter(torch.empty(self.channels, kernel))
+        self.A_log = nn.Parameter(torch.empty(value_heads))
+        self.dt_bias = nn.Parameter(torch.empty(value_heads))
+        self.norm_weight = nn.Parameter(torch.ones(value_dim))
+        self.norm_eps = norm_eps
+        self.wo = nn.Linear(value_heads * value_dim, dim, bias=False)
+        self.state: Optional[RecurrentState] = None
+
+    def make_state(self, max_batch_size: int, dtype) -> RecurrentState:
+        return RecurrentState(max_batch_size, self.channels, self.kernel, self.value_heads, self.key_dim,
+                              self.value_dim, dtype)
+
+    def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Optional[Tensor],
+                cache_rows: Optional[Tensor] = None) -> Tensor:
+        """As Attention.forward, but mask is [B, T]: True for the tokens a row really has (None: all);
+        the others (a right-padded prompt's padding, a row that only rides along in a batched step)
+        leave its state as it was. A row whose first position is 0 starts from an empty state."""
+        B, T, _ = x.shape
+        H, dk, dv = self.value_heads, self.key_dim, self.value_dim
+        qkv, z, b, a = self.w_in(x).split([self.channels, H * dv, H, H], dim=-1)
+        conv, memory = self.state.read(B, cache_rows)
+        fresh = (input_pos[..., :1] == 0).reshape(-1, 1, 1)  # [1 or B, 1, 1]
+        conv, memory = conv.masked_fill(fresh, 0), memory.masked_fill(fresh[..., None], 0)
+
+        # The causal convolution over the previous kernel - 1 inputs and these.
+        seq = torch.cat([conv.to(qkv.dtype), qkv.transpose(1, 2)], dim=-1)  # [B, C, kernel - 1 + T]
+        qkv = F.silu(F.conv1d(seq, self.conv[:, None].to(qkv.dtype), groups=self.channels)).transpose(1, 2)
+        if mask is None:
+            conv = seq[..., T:]
+        else:  # the kernel - 1 inputs before each row's first padding token
+            index = mask.sum(-1)[:, None] + torch.arange(self.kernel - 1, device=x.device)
+            conv = seq.gather(2, index[:, None].expand(B, self.channels, -1))
+
+        q, k, v = qkv.float().split([self.key_heads * dk, self.key_heads * dk, H * dv], dim=-1)
+        q, k = (l2_normalized(t.view(B, T, self.key_heads, dk)) for t in (q, k))
+        if H != self.key_heads:  # each key head serves a group of value heads
+            q, k = (t.repeat_interleave(H // self.key_heads, dim=2) for t in (q, k))
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if mask is not None:  # no write, no decay
+            beta, g = beta * mask[..., None], g * mask[..., None]
+        step = delta_rule_step if T == 1 else delta_rule_chunked
+        y, memory = step(q * dk ** -0.5, k, v.view(B, T, H, dv), beta, g, memory)
+        self.state.write(conv.to(self.state.conv.dtype), memory, cache_rows)
+
+        # Each head's output RMS-normalised (weight in the model dtype, as transformers), gated by silu(z).
+        normed = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.norm_eps)).to(x.dtype) * self.norm_weight
+        gated = normed.float() * F.silu(z.view(B, T, H, dv).float())
+        return self.wo(gated.to(x.dtype).reshape(B, T, H * dv))
+
+
+def l2_normalized(x: Tensor) -> Tensor:
+    """x / |x| as the reference kernels (flash-linear-attention's) compute it, epsilon inside the root."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+def delta_rule_step(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor, memory: Tensor) -> tuple:
+    """One token: q, k [B, 1, H, dk], v [B, 1, H, dv], beta, g [B, 1, H], memory [B, H, dk, dv] (fp32)
+    -> (out [B, 1, H, dv], the new memory)."""
+    q, k, v, beta, g = q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0]
+    memory = memory * g.exp()[..., None, None]
+    recalled = torch.einsum("bhkv,bhk->bhv", memory, k)
+    memory = memory + k[..., None] * ((v - recalled) * beta[..., None])[..., None, :]
+    return torch.einsum("bhkv,bhk->bhv", memory, q)[:, None], memory
+
+
+def recurrence(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor, memory: Tensor) -> tuple:
+    """The delta rule token by token (the definition; T steps): shapes as delta_rule_chunked's."""
+    out = []
+    for t in range(q.shape[1]):
+        y, memory = delta_rule_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], beta[:, t:t + 1], g[:, t:t + 1],
+                                    memory)
+        out.append(y)
+    return torch.cat(out, dim=1), memory
+
+
+def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor, memory: Tensor) -> tuple:
+    """T tokens: q, k [B, T, H, dk], v [B, T, H, dv], beta, g [B, T, H] (fp32), memory [B, H, dk, dv]
+    -> (out [B, T, H, dv], the memory after the last token), as `recurrence` gives them.
+
+    Within a chunk of C tokens, with G_i the decay summed over the chunk's first i tokens, every
+    state the chunk passes through is exp(G_i) S0 plus a sum of k_j u_j^T; the u (what each token
+    writes) solve one unit lower-triangular system (I + L) U = beta (V - exp(G) K S0) with
+    L_ij = beta_i exp(G_i - G_j) k_i.k_j for j < i; then out_i = exp(G_i) q_i S0 + sum_{j<=i}
+    exp(G_i - G_j) (q_i.k_j) u_j and S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T."""
+    B, T, H, dk = k.shape
+    C = min(CHUNK, T)
+    pad = -T % C
+    q, k, v = (F.pad(t.transpose(1, 2), (0, 0, 0, pad)) for t in (q, k, v))  # [B, H, T + pad, d]
+    beta, g = (F.pad(t.transpose(1, 2), (0, pad)) for t in (beta, g))  # padding: beta 0, g 0 (no effect)
+    n = (T + pad) // C
+    q, k, v = (t.reshape(B, H, n, C, -1) for t in (q, k, v))
+    beta, G = beta.reshape(B, H, n, C), g.reshape(B, H, n, C).cumsum(-1)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    # exp(G_i - G_j) for j <= i, 0 above (masked before exp: G_i - G_j > 0 there could overflow)
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    system = (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)  # L; the solver takes I + L
+    # What U is before S0's part: beta V, and what a unit of S0 subtracts: beta exp(G) K
+    writes = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
+    reads = torch.linalg.solve_triangular(system, (beta * G.exp())[..., None] * k, upper=False, unitriangular=True)
+    scores = (q @ k.transpose(-1, -2)) * decay  # [B, H, n, C, C]
+    q_decayed = q * G.exp()[..., None]
+    k_to_end = k * (G[..., -1:] - G).exp()[..., None]
+    out = []
+    for c in range(n):
+        u = writes[:, :, c] - reads[:, :, c] @ memory
+        out.append(q_decayed[:, :, c] @ memory + scores[:, :, c] @ u)
+        memory = memory * G[:, :, c, -1].exp()[..., None, None] + k_to_end[:, :, c].transpose(-1, -2) @ u
+    y = torch.stack(out, dim=2).reshape(B, H, n * C, -1)[:, :, :T]
+    return y.transpose(1, 2), memory
