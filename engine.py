@@ -170,22 +170,24 @@ def check_request(request: Request, max_seq_length: int, vocab_size: int):
 
 
 def decode_step(model: Transformer, x: Tensor, input_pos: Tensor, kv_len: Optional[int],
-                cache_rows: Optional[Tensor] = None) -> Tensor:
+                cache_rows: Optional[Tensor] = None, lengths: Optional[Tensor] = None) -> Tensor:
     """x [B, 1] at per-row positions input_pos [B, 1] of cache rows cache_rows [B] (None: every row),
     attending to the first kv_len cache positions -> logits [B, V]: the step compile_step compiles
-    (one graph per kv_len bucket)."""
-    return model(x, input_pos, kv_len=kv_len, cache_rows=cache_rows)[:, -1]
+    (one graph per kv_len bucket). lengths [B]: 0 for rows that only ride along (Transformer.forward)."""
+    return model(x, input_pos, kv_len=kv_len, cache_rows=cache_rows, lengths=lengths)[:, -1]
 
 
 def prefill_step(model: Transformer, x: Tensor, input_pos: Tensor, cache_rows: Tensor, logits_at: Tensor,
                  kv_len: int, from_start: bool) -> Tensor:
     """Prompt tokens x [B, T] at positions input_pos [B, T] into cache rows cache_rows [B] -> logits
-    [B, V] at each row's index logits_at [B] into T: the step compile_prefill compiles (with
-    from_start False, one graph for any number of prompts of any length from any positions)."""
+    [B, V] at each row's index logits_at [B] into T, each row's last real token (padding follows):
+    the step compile_prefill compiles (with from_start False, one graph for any number of prompts of
+    any length from any positions)."""
     # The compiled graph leaves each tensor's batch unbacked (compiling.compile_prefill): say they agree.
     for t in (input_pos, cache_rows, logits_at):
         torch._check(t.shape[0] == x.shape[0])
-    return model(x, input_pos, from_start=from_start, cache_rows=cache_rows, logits_at=logits_at, kv_len=kv_len)[:, -1]
+    return model(x, input_pos, from_start=from_start, cache_rows=cache_rows, logits_at=logits_at, kv_len=kv_len,
+                 lengths=logits_at + 1)[:, -1]
 
 
 def ranked(logits: Tensor, tokens: Sequence[int], n: int) -> list:
@@ -225,7 +227,12 @@ class Engine:
         # (a packed CPU model's, or eager); elsewhere every slot, in the one shape it was compiled for
         # (rows that do not decode compute garbage): one live request of 8 slots costs 8 rows there.
         self.live_rows_only = not compile or rows_vary(model, self.device.type)
-        self.prefill_fn = compile_prefill(prefill_step, self.device.type) if compile else prefill_step
+        # Linear attention (Qwen3.5) keeps one state per slot at the last position it consumed: a slot's
+        # prefix is reused only where the new prompt goes on from all of it, and no row copies another's.
+        # Its prompts run eagerly: the chunked delta rule's loop over chunks would trace a graph per count.
+        self.recurrent = any(model.config.is_linear(i) for i in range(model.config.n_layer))
+        self.prefill_fn = compile_prefill(prefill_step, self.device.type) if compile and not self.recurrent \
+            else prefill_step
         self.slots: list = [None] * max_batch_size  # slot -> _Sequence or None
         self.kept: list = [[] for _ in range(max_batch_size)]  # free slot -> the tokens its cache row holds
         self.freed_at: list = [0] * max_batch_size  # slot -> when it was last freed (0: never used)
@@ -243,7 +250,8 @@ class Engine:
         # attention.cpp's kernel (every layer's attend_cache) reads only the positions its rows see,
         # whatever the cache's length: buckets would only add compiled graphs, each a compile (tens
         # of seconds on a first run) the first time a sequence grows past one.
-        self.kv_buckets = not all(layer.attention.attend_cache is not None for layer in model.layers)
+        self.kv_buckets = not all(layer.attention.attend_cache is not None for layer in model.layers
+                                  if not layer.linear)
         self.token_table: Optional[TokenTable] = None  # for grammars: made at the first one
 
     def _grammar_table(self) -> TokenTable:
@@ -389,6 +397,8 @@ class Engine:
             # At least the prompt's last token is computed again: its logits give the first token.
             # A prompt to score is computed whole: a cached position has no logits.
             seq.reused = 0 if seq.request.prompt_logprobs is not None else min(shared[best], len(seq.prompt) - 1)
+            if self.recurrent and seq.reused != len(self.kept[free[best]]):  # the state stands at the end of it
+                seq.reused = 0
             seq.advance(seq.reused)
             self.slots[free[best]] = seq
 
@@ -407,7 +417,7 @@ class Engine:
         for i, s in todo:
             # Scored prompts are computed whole (every position's logits); one that began computing
             # its own positions goes on.
-            if s.request.prompt_logprobs is not None or s.cached > s.reused:
+            if s.request.prompt_logprobs is not None or s.cached > s.reused or self.recurrent:
                 ahead.append((i, s))
                 continue
             shared = [common_prefix(self._written(j), s.prompt) if j != i else 0 for j in range(self.max_batch_size)]
@@ -482,7 +492,7 @@ class Engine:
         if self.live_rows_only:
             tokens = torch.tensor([[self.slots[i].next_token] for i in rows])
             pos = torch.tensor([[self.slots[i].cached] for i in rows], dtype=torch.int)
-            cache_rows = torch.tensor(rows).to(self.device)
+            cache_rows, lengths = torch.tensor(rows).to(self.device), None
         else:
             tokens = torch.zeros(B, 1, dtype=torch.long)
             pos = torch.zeros(B, 1, dtype=torch.int)
@@ -493,6 +503,7 @@ class Engine:
                 if active[i]:
                     tokens[i, 0] = s.next_token
             cache_rows = None
+            lengths = torch.tensor(active, dtype=torch.int, device=self.device) if self.recurrent else None
         # Free slots' positions do not count: their garbage lands past the attention's bucket.
         kv_len = kv_bucket(max(s.cached for s in self.slots if s is not None) + 1, self.max_seq_length) \
             if self.kv_buckets else None
@@ -500,7 +511,8 @@ class Engine:
         # (or compiled: a batch of one row is a graph of its own under dynamo).
         step = (kv_len, tokens.shape[0])
         with skip_guards(step == self.last_step):
-            logits = self.decode_fn(self.model, tokens.to(self.device), pos.to(self.device), kv_len, cache_rows)
+            logits = self.decode_fn(self.model, tokens.to(self.device), pos.to(self.device), kv_len, cache_rows,
+                                    lengths)
         self.last_step = step
         for i in rows:
             self.slots[i].cached += 1

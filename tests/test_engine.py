@@ -190,7 +190,7 @@ def test_staggered_arrivals(tiny):
 
 @pytest.mark.parametrize("family", ["mistral", "mixtral", "gemma2", "gemma3", "qwen3_moe", "phi3", "olmo2", "gpt_oss",
                                     "ministral3", "cohere2", "qwen2_moe", "glm4_moe", "deepseek_v3",
-                                    "mistral4", "gemma4", "gemma4_moe", "gemma4_e2b"])
+                                    "mistral4", "gemma4", "gemma4_moe", "gemma4_e2b", "qwen3_5", "qwen3_next"])
 def test_sliding_window_and_moe(tiny, family):
     """Windows far shorter than the prompts (on alternating layers for Gemma, with soft-capping for
     Gemma 2), experts, q/k norms, fused projections, gpt-oss's sinks and biased experts through the engine."""
@@ -200,6 +200,37 @@ def test_sliding_window_and_moe(tiny, family):
         [Request(p, 20) for p in ps])
     for p, r in zip(ps, results):
         assert r.token_ids == alone(model, p, 20)
+
+
+@pytest.mark.parametrize("max_batch_size,prefill_chunk", [(3, 48), (8, 512)])
+def test_linear_attention_batch_equals_alone(tiny, max_batch_size, prefill_chunk):
+    """Qwen3.5's Gated DeltaNet state through the engine: right-padded prompts prefilled together (the
+    padding must not enter a row's state), prompts in chunks, slots taken over by shorter prompts
+    (the state starts again at position 0), rows decoding while others prefill."""
+    model = tiny("qwen3_5")
+    ps = prompts()
+    max_new = [20, 7, 33, 12, 5, 28, 16, 9]
+    results = Engine(model, IdTokenizer(), max_batch_size=max_batch_size, max_seq_length=340,
+                     prefill_chunk=prefill_chunk).generate([Request(p, n) for p, n in zip(ps, max_new)])
+    assert [r.token_ids for r in results] == [alone(model, p, n) for p, n in zip(ps, max_new)]
+
+
+def test_linear_attention_prompt_cache(tiny):
+    """A slot's state stands at the last position its request consumed: a next turn that goes on from
+    all of it (a chat's earlier turns and answer) prefills only its new tokens; a prompt that shares
+    only part of it is computed whole, and none is copied from another slot's row (two prompts with
+    one system prompt at once)."""
+    model = tiny("qwen3_5")
+    system, first, other = prompts((40, 9, 30), seed=6)
+    engine = Engine(model, IdTokenizer(), max_batch_size=2, max_seq_length=200)
+    answer, = engine.generate([Request(system + first, 8)])
+    turn = system + first + answer.token_ids[:-1]  # what the slot holds: the last token sampled is not in it
+    cached = []
+    for batch in ([turn + [5, 6, 7]], [system + [3, 4]], [other + [1, 2], other + [8, 9]]):
+        results = engine.generate([Request(p, 10, on_output=lambda out: cached.append(out.cached_tokens))
+                                   for p in batch])
+        assert [r.token_ids for r in results] == [alone(model, p, 10) for p in batch]
+    assert sorted(set(cached)) == [0, len(turn)]
 
 
 def test_chunked_prefill_equals_whole(tiny):
