@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
+from linear_attention import GatedDeltaNet
 from model import LatentAttention, MoEFeedForward, Transformer
 
 # Where the model's own layers keep their (output, input) features in each stored tensor; None: no
@@ -39,6 +40,8 @@ def check_divisible(config, world_size: int):
     sizes = {"n_head": config.n_head}
     if not config.kv_lora_rank:  # (latent attention's one latent stays whole on every rank)
         sizes["n_local_heads (key/value heads)"] = config.n_local_heads
+    if config.linear_attention_layers:
+        sizes["linear_key_heads (of Gated DeltaNet)"] = config.linear_key_heads
     if config.global_kv_heads:
         sizes["global_kv_heads (key/value heads of the full-attention layers)"] = config.global_kv_heads
     if not config.num_experts or config.dense_layers:
@@ -69,6 +72,8 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
         attn = layer.attention
         if isinstance(attn, LatentAttention):
             _shard_latent_attention(attn, **shard)
+        elif isinstance(attn, GatedDeltaNet):
+            _shard_linear_attention(attn, **shard)
         else:
             _shard_attention(attn, c.qk_norm, group, **shard)
         attn.register_forward_hook(_all_reduce_output(group))
@@ -87,7 +92,9 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
                            n_local_heads=c.n_local_heads if c.kv_lora_rank else c.n_local_heads // world_size,
                            global_kv_heads=c.global_kv_heads // world_size if c.global_kv_heads else None,
                            intermediate_size=c.intermediate_size // world_size,
-                           moe_intermediate_size=c.moe_intermediate_size // world_size if c.num_experts else None)
+                           moe_intermediate_size=c.moe_intermediate_size // world_size if c.num_experts else None,
+                           linear_key_heads=c.linear_key_heads // world_size,
+                           linear_value_heads=c.linear_value_heads // world_size)
     return model
 
 
@@ -111,7 +118,8 @@ def _shard_attention(attn: nn.Module, qk_norm, group, rank: int, world_size: int
     q_dim, kv_dim = attn.n_head * attn.head_dim, attn.n_local_heads * attn.head_dim
     # Contiguous blocks of query heads and of kv heads: each rank's query heads keep their GQA kv heads.
     kv_parts = 0 if attn.reads_kv else 1 if attn.values_are_keys else 2  # (Gemma 4)
-    _shard_linear(attn.wqkv, "out", parts=[q_dim] + [kv_dim] * kv_parts, **shard)
+    gate = [q_dim] if attn.output_gate else []  # (Qwen3.5: a gate per query head's output, last)
+    _shard_linear(attn.wqkv, "out", parts=[q_dim] + [kv_dim] * kv_parts + gate, **shard)
     _shard_linear(attn.wo, "in", **shard)
     if attn.sinks is not None:  # gpt-oss: one per query head, which split by blocks as wqkv's rows
         _replace(attn, "sinks", _take(attn.sinks, 0, rank, world_size))
@@ -131,6 +139,21 @@ def _shard_latent_attention(attn: LatentAttention, rank: int, world_size: int):
         _replace(attn, name, _take(getattr(attn, name), 0, rank, world_size))
     _shard_linear(attn.wo, "in", **shard)
     attn.n_head //= world_size
+
+
+def _shard_linear_attention(attn: GatedDeltaNet, rank: int, world_size: int):
+    """Each rank keeps a block of Gated DeltaNet's key heads and the value heads they serve: their rows
+    of each kind in the input projection and the convolution, their decay parameters, their columns of
+    the output (all-reduced as attention's); its state holds those heads only."""
+    shard = dict(rank=rank, world_size=world_size)
+    keys, values, heads = attn.key_heads * attn.key_dim, attn.value_heads * attn.value_dim, attn.value_heads
+    _shard_linear(attn.w_in, "out", parts=[keys, keys, values, values, heads, heads], **shard)
+    _replace(attn, "conv", _take(attn.conv, 0, rank, world_size, parts=[keys, keys, values]))
+    for name in ("A_log", "dt_bias"):
+        _replace(attn, name, _take(getattr(attn, name), 0, rank, world_size))
+    _shard_linear(attn.wo, "in", **shard)
+    attn.key_heads, attn.value_heads = attn.key_heads // world_size, attn.value_heads // world_size
+    attn.channels //= world_size
 
 
 class ShardedRMSNorm(nn.Module):

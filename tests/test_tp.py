@@ -86,8 +86,12 @@ def checkpoints(tmp_path_factory):
         "gemma4_moe": save_and_convert(make_hf_model("gemma4_moe", num_global_key_value_heads=2), root / "gemma4_moe"),
         # Per-layer inputs (whole on every rank), layers reading an earlier one's split cache.
         "gemma4_e2b": save_and_convert(make_hf_model("gemma4_e2b", num_key_value_heads=2), root / "gemma4_e2b"),
+        # Gated DeltaNet: key heads and the value heads they serve split, each rank's state its heads';
+        # the gated attention's gates split with its query heads.
+        "qwen3_5": save_and_convert(make_hf_model("qwen3_5"), root / "qwen3_5"),
     }
     paths["qwen2_int8"] = quantize.quantize_checkpoint(paths["qwen2"], "int8")
+    paths["qwen3_5_int8"] = quantize.quantize_checkpoint(paths["qwen3_5"], "int8")
     paths["llama_odd_vocab_int4"] = quantize.quantize_checkpoint(paths["llama_odd_vocab"], "int4", 32)
     paths["moe_int8"] = quantize.quantize_checkpoint(paths["moe"], "int8")
     paths["moe_int4"] = quantize.quantize_checkpoint(paths["moe"], "int4", 32)
@@ -113,7 +117,7 @@ def tp_results(checkpoints, tmp_path_factory):
                                   "qwen3_moe_int8:dequant", "gpt_oss", "gpt_oss_int8:dequant", "cohere2",
                                   "qwen2_moe", "glm4_moe", "glm4_moe_int8:dequant", "deepseek_v3",
                                   "deepseek_v3_int8:dequant", "gemma4", "gemma4_moe", "gemma4_moe_int8:dequant",
-                                  "gemma4_e2b"])
+                                  "gemma4_e2b", "qwen3_5", "qwen3_5_int8:dequant"])
 def test_tp_matches_single_process(name, checkpoints, tp_results):
     """Sharded == whole to fp32 precision (quantized layers on the fp32 dequantize path)."""
     name, _, variant = name.partition(":")
