@@ -6,9 +6,11 @@ How a model calls tools is what its chat template taught it:
 - a template that reads `tools` (Qwen2.5 / Qwen3, Llama 3.1-3.3, Hermes, Mistral, ...) is given
   them as transformers gives them, with the conversation's tool calls and results as they come;
   the model answers in the format the template shows: `<tool_call>{"name": ..., "arguments": ...}
-  </tool_call>` blocks ("hermes", wherever the template writes that tag), or else one bare JSON
-  object (Llama 3.x's `{"name": ..., "parameters": ...}`), or, in OpenAI's harmony format (gpt-oss),
-  a message to the recipient `functions.NAME` whose text is the arguments;
+  </tool_call>` blocks ("hermes", wherever the template writes that tag), the same blocks holding
+  `<function=NAME>` and a `<parameter=KEY>` element per argument ("xml": Qwen3.5, Qwen3-Coder, where
+  the template writes `<function=`; a string argument as its raw text, others as JSON), or else one
+  bare JSON object (Llama 3.x's `{"name": ..., "parameters": ...}`), or, in OpenAI's harmony format
+  (gpt-oss), a message to the recipient `functions.NAME` whose text is the arguments;
 - a template that knows no tools (SmolLM2, Gemma, ...) gets them in a system message that asks for
   the hermes format, its assistant calls as that text and the results as user turns.
 
@@ -33,8 +35,11 @@ from typing import Optional
 from reasoning import CHANNEL, MESSAGE, START
 from structured import WHITESPACE, lark_grammar
 
-HERMES, JSON, HARMONY = "hermes", "json", "harmony"
+HERMES, XML, JSON, HARMONY = "hermes", "xml", "json", "harmony"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+FUNCTION = "<function="  # (XML's call: <function=NAME> then <parameter=KEY>\nVALUE\n</parameter> each)
+# An XML string argument: raw text up to its closing tag (no "</" inside), the tag with it
+RAW_ARGUMENT = r"/([^<]|<[^\/])*\n<\/parameter>\n/"
 
 # For a template without tools: the hermes format, which many instruction-tuned models have seen.
 SYSTEM_PROMPT = """You can call functions to help answer. Their signatures, as JSON schemas:
@@ -108,7 +113,7 @@ class Tools:
     choice: str            # "auto", "required", or the one function's name that must be called
     parallel: bool         # more than one call in an answer
     native: bool           # the chat template takes `tools`
-    style: str             # HERMES, JSON or HARMONY
+    style: str             # HERMES, XML, JSON or HARMONY
     arguments_key: str = "arguments"
     system: bool = True    # the chat template takes a system message (Gemma 2's refuses one)
     short_ids: bool = False  # call ids of 9 characters: Mistral's templates refuse any other
@@ -142,6 +147,7 @@ class Tools:
                              "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
         native = tokenizer.chat_template_takes("tools")
         style = (HARMONY if native and CHANNEL in tokenizer.chat_template else
+                 XML if native and FUNCTION in tokenizer.chat_template else
                  HERMES if not native or OPEN in tokenizer.chat_template else JSON)
         key = "parameters" if style == JSON and '"parameters"' in tokenizer.chat_template else "arguments"
         return cls(specs, choice, parallel, native, style, key, native or takes_system(tokenizer),
@@ -188,7 +194,9 @@ class Tools:
         if self.style == HARMONY:  # its calls follow the thinking, in special tokens: read, not held
             return None, None
         names = [self.choice] if self.forced and self.choice != "required" else list(self.schemas)
-        call = f"%json {json.dumps(self.call_schema(names), ensure_ascii=False)}"
+        call, rules = f"%json {json.dumps(self.call_schema(names), ensure_ascii=False)}", ""
+        if self.style == XML:
+            call, rules = "function", self.xml_rules(names)
         many = self.parallel and self.choice in ("auto", "required")
         answer = None
         if answer_schema is not None:
@@ -199,7 +207,7 @@ class Tools:
                 return lark_grammar(f"start: {call}"), None
             return (lark_grammar(f"start: {call} | {answer}"), None) if answer else (None, None)
         calls = 'call ("\\n" call)*' if many else "call"
-        block = f'call: "{OPEN}\\n" {call} "\\n{CLOSE}"'
+        block = f'call: "{OPEN}\\n" {call} "\\n{CLOSE}"{rules}'
         if self.forced:
             return lark_grammar(f"start: {calls}\n{block}"), None
         if answer:
@@ -207,14 +215,34 @@ class Tools:
         # Free text until the model writes the tag (the engine starts the grammar there, as
         # llama.cpp's lazy grammars do), then calls held to the schemas, and nothing after them.
         rest = f'start: body (WS "{OPEN}" body)*' if many else "start: body"
-        return lark_grammar(f'{rest}\nbody: WS {call} WS "{CLOSE}"\nWS: /[ \\t\\n]{{0,4}}/'), OPEN
+        return lark_grammar(f'{rest}\nbody: WS {call} WS "{CLOSE}"\nWS: /[ \\t\\n]{{0,4}}/{rules}'), OPEN
+
+    def xml_rules(self, names: list) -> str:
+        """Lark rules of an XML call to one of `names` (rule `function`): its arguments in the schema's
+        order, the required ones always, a string one as raw text, any other as JSON of its schema."""
+        rules = ["function: " + " | ".join(f"function{k}" for k in range(len(names)))]
+        for k, name in enumerate(names):
+            schema = self.schemas[name]
+            required, parts = set(schema.get("required") or ()), []
+            for j, (key, sub) in enumerate((schema.get("properties") or {}).items()):
+                end = "\n</parameter>\n"
+                value = (f'%json {json.dumps(sub, ensure_ascii=False)} {json.dumps(end)}' if not is_string(sub) else
+                         "(" + " | ".join(json.dumps(v + end, ensure_ascii=False) for v in sub["enum"]) + ")"
+                         if "enum" in sub else RAW_ARGUMENT)  # (a string's length or pattern is not held)
+                rules.append(f"argument{k}_{j}: {json.dumps(f'<parameter={key}>' + chr(10))} {value}")
+                parts.append(f"argument{k}_{j}" + ("" if key in required else "?"))
+            if not schema.get("properties") and schema.get("additionalProperties", True) is not False:
+                parts.append(f'("<parameter=" /[A-Za-z0-9_.-]+/ ">\\n" {RAW_ARGUMENT})*')  # any arguments
+            head = json.dumps(f"{FUNCTION}{name}>\n")
+            rules.append(f'function{k}: {head} {" ".join(parts)} "</function>"')
+        return "\n" + "\n".join(rules)
 
     # -- reading the answer ------------------------------------------------------------------
 
     def parse(self, text: str) -> tuple:
         """An answer -> (its text outside the calls, the calls as OpenAI's tool_calls entries).
         A call that does not parse or names no tool leaves the whole answer as text."""
-        found = (self._hermes(text) if self.style == HERMES else self._harmony(text) if self.style == HARMONY
+        found = (self._hermes(text) if self.style in (HERMES, XML) else self._harmony(text) if self.style == HARMONY
                  else self._json(text))
         if found is None:
             return text, []
@@ -235,7 +263,8 @@ class Tools:
             outside.append(text[at:i])
             j = text.find(CLOSE, i)
             try:
-                blocks.append(json.loads(text[i + len(OPEN): j if j >= 0 else len(text)]))
+                body = text[i + len(OPEN): j if j >= 0 else len(text)]
+                blocks.append(self._xml_call(body) if self.style == XML else json.loads(body))
             except json.JSONDecodeError:
                 if j >= 0:
                     return None
@@ -245,6 +274,23 @@ class Tools:
             return None
         outside.append(text[at:])
         return "".join(outside), blocks
+
+    def _xml_call(self, body: str) -> dict:
+        """`<function=NAME>` and its `<parameter=KEY>`s -> {"name", "arguments"}; a string argument
+        (by its schema) as written, another as JSON. JSONDecodeError where it is not such a call."""
+        call = re.fullmatch(r"\s*<function=([^>\s]+)>(.*?)</function>\s*", body, re.S)
+        if call is None:
+            raise json.JSONDecodeError("not an XML tool call", body, 0)
+        properties = (self.schemas.get(call[1]) or {}).get("properties") or {}
+        arguments = {}
+        for key, value in re.findall(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", call[2], re.S):
+            if not is_string(properties.get(key, {"type": "string"})):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError:
+                    pass  # as text: where it is no JSON, the schema's check tells the client
+            arguments[key] = value
+        return {"name": call[1], "arguments": arguments}
 
     def _harmony(self, text: str) -> Optional[tuple]:
         """reasoning.Harmony's answer text: each call a message from <|start|> on, its recipient
@@ -324,6 +370,14 @@ class ToolStream:
         if not calls:
             return self.text[self.shown:], []
         return outside[self.shown:], calls
+
+
+def is_string(schema: dict) -> bool:
+    """Whether an argument's schema admits strings only (an XML call writes it as raw text)."""
+    kind = schema.get("type")
+    if kind is None and "enum" in schema:
+        return all(isinstance(v, str) for v in schema["enum"])
+    return kind == "string" or kind == ["string"]
 
 
 def hermes_call(name: str, arguments: dict) -> str:

@@ -12,7 +12,7 @@ from decode import generate
 from engine import Engine, Request
 from load import load_model
 from tokenizer import load_tokenizer
-from tools import JSON, SYSTEM_PROMPT, Tools, ToolStream, encode_conversation, read_messages
+from tools import JSON, SYSTEM_PROMPT, XML, Tools, ToolStream, encode_conversation, read_messages
 
 # Templates written for these tests in the two ways models are taught to call tools: hermes tags
 # (Qwen2.5 / Qwen3, Hermes) and a bare JSON object with "parameters" (Llama 3.x); and one that
@@ -44,6 +44,29 @@ JSON_TEMPLATE = """{%- if tools %}system: Answer a call as {"name": function nam
 {% endif %}
 {%- endfor %}{% if add_generation_prompt %}assistant:{% endif %}"""
 
+# Qwen3.5's way (Qwen3-Coder's too): <function=NAME> and a <parameter=KEY> element per argument, a string
+# as its text and any other value as JSON, written as Qwen3.5's chat template writes past calls.
+XML_TEMPLATE = """{%- if tools %}system: Tools:
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}Call one as <tool_call>
+<function=NAME>
+<parameter=KEY>
+VALUE
+</parameter>
+</function>
+</tool_call>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}assistant: {{ m.content }}
+{%- for c in m.tool_calls or [] %}{{ '<tool_call>\n<function=' + c.function.name + '>\n' }}
+{%- for key, value in c.function.arguments | items %}{{ '<parameter=' + key + '>\n' }}
+{{- value | string if value is string else value | tojson }}{{ '\n</parameter>\n' }}{% endfor %}
+{{- '</function>\n</tool_call>' }}{% endfor %}
+{% elif m.role == 'tool' %}tool ({{ m.name }}): {{ m.content }}
+{% else %}{{ m.role }}: {{ m.content }}
+{% endif %}
+{%- endfor %}{% if add_generation_prompt %}assistant:{% endif %}"""
+
 PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}assistant:{% endif %}")
 
@@ -55,6 +78,11 @@ PICK = {"type": "function", "function": {"name": "pick", "description": "Pick a 
                                              "n": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
 COUNT = {"type": "function", "function": {"name": "count", "parameters": {
     "type": "object", "required": ["k"], "properties": {"k": {"type": "integer", "minimum": 1, "maximum": 3}}}}}
+
+NOTE = {"type": "function", "function": {"name": "note", "parameters": {
+    "type": "object", "required": ["text"], "properties": {"text": {"type": "string", "maxLength": 40},
+                                                          "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                                   "maxItems": 2}}}}}
 
 CONVERSATION = [  # OpenAI's messages: a call, its result, a question after it
     {"role": "system", "content": "Be brief."},
@@ -96,7 +124,7 @@ def tokenizer_with(path, template):
     return tokenizer
 
 
-@pytest.mark.parametrize("template", [HERMES_TEMPLATE, JSON_TEMPLATE], ids=["hermes", "json"])
+@pytest.mark.parametrize("template", [HERMES_TEMPLATE, JSON_TEMPLATE, XML_TEMPLATE], ids=["hermes", "json", "xml"])
 def test_prompt_is_what_transformers_renders(tiny, template):
     """A template that takes tools: the prompt the server builds from OpenAI's messages equals
     transformers' apply_chat_template of the same template, tools and conversation (the calls'
@@ -184,6 +212,25 @@ def test_parse_json_style(tiny):
     assert tools.parse("The answer is {1}") == ("The answer is {1}", [])
 
 
+def test_parse_xml(tiny):
+    """Qwen3.5's calls: a string argument as its text (newlines and all), the others as JSON (by the
+    tool's schema); several calls; a cut-off one after a whole one; what is not such a call is text."""
+    tools = Tools.read([PICK, COUNT, NOTE], "auto", True, tokenizer_with(tiny[0], XML_TEMPLATE))
+    assert tools.style == XML
+    text = ("Let me see.\n<tool_call>\n<function=pick>\n<parameter=color>\nred\n</parameter>\n"
+            "<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=note>\n"
+            "<parameter=text>\n12 < 13,\n\"quoted\"\n</parameter>\n<parameter=tags>\n[\"a\"]\n</parameter>\n"
+            "</function>\n</tool_call>")
+    content, calls = tools.parse(text)
+    assert content == "Let me see.\n\n"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("pick", {"color": "red", "n": 3}), ("note", {"text": '12 < 13,\n"quoted"', "tags": ["a"]})]
+    assert len(tools.parse(text[:-40])[1]) == 1
+    for bad in ["<tool_call>\n<function=fly>\n</function>\n</tool_call>", "<tool_call>\n{}\n</tool_call>",
+                "no call here"]:
+        assert tools.parse(bad) == (bad, [])
+
+
 def test_call_ids_a_mistral_template_takes(tiny):
     """Mistral's templates write [TOOL_CALLS] and refuse a call id that is not 9 characters: the
     calls read back get such ids, and a conversation holding them renders."""
@@ -257,7 +304,38 @@ def test_auto_grammar_holds_calls_after_the_tag(tiny):
     assert not accepted(tools, '\n{"name": "fly", "arguments": {}}')
 
 
-@pytest.mark.parametrize("template", [HERMES_TEMPLATE, JSON_TEMPLATE, PLAIN_TEMPLATE], ids=["hermes", "json", "none"])
+def test_auto_grammar_holds_xml_calls(tiny):
+    """The same for Qwen3.5's XML calls: arguments in the schema's order, a string one as free text up to
+    its closing tag, another as JSON of its schema; an optional one may be left out."""
+    from structured import Constraint, TokenTable
+    path, model, _ = tiny
+    tokenizer = tokenizer_with(path, XML_TEMPLATE)
+    table = TokenTable(tokenizer, model.config.vocab_size)
+    tools = Tools.read([PICK, COUNT, NOTE], "auto", True, tokenizer)
+
+    def accepted(text):
+        grammar, trigger = tools.grammar()
+        assert trigger == "<tool_call>"
+        constraint = Constraint(table, grammar)
+        for t in token_ids(tokenizer, text):
+            if not constraint.allowed("cpu")[t]:
+                return False
+            constraint.take(t)
+        return True
+
+    pick = '\n<function=pick>\n<parameter=color>\nblue\n</parameter>\n<parameter=n>\n7\n</parameter>\n</function>\n'
+    note = '\n<function=note>\n<parameter=text>\na < b\nc\n</parameter>\n</function>\n'
+    assert accepted(pick + "</tool_call>") and accepted(note + "</tool_call>")
+    assert accepted(pick + "</tool_call>\n<tool_call>" + note + "</tool_call>")
+    assert not accepted(pick.replace("blue", "green"))
+    assert not accepted(pick.replace("7", "12"))
+    assert not accepted('\n<function=pick>\n<parameter=n>\n7\n</parameter>\n')  # order, and color is required
+    assert not accepted('\n<function=fly>\n')
+    assert not accepted(pick + "</tool_call> and then")
+
+
+@pytest.mark.parametrize("template", [HERMES_TEMPLATE, JSON_TEMPLATE, XML_TEMPLATE, PLAIN_TEMPLATE],
+                         ids=["hermes", "json", "xml", "none"])
 def test_forced_calls_follow_the_schemas(tiny, template):
     """tool_choice "required" and a named function: a random model's answers, greedy and sampled,
     batched beside a free request (which stays as it was alone), are calls that parse and follow
@@ -305,9 +383,10 @@ def test_real_model_calls_the_right_tool(default_model):
 # ---------------------------------------------------------------------------------------------
 # Through the server and the official client
 
-@pytest.fixture(scope="module", params=[pytest.param("hermes", marks=pytest.mark.slow), "none"])
+@pytest.fixture(scope="module", params=[pytest.param("hermes", marks=pytest.mark.slow),
+                                        pytest.param("xml", marks=pytest.mark.slow), "none"])
 def tool_server(request, tiny, tmp_path_factory):
-    """The server on the tiny model, its template taking tools (hermes) or not. The default run
+    """The server on the tiny model, its template taking tools (hermes, Qwen3.5's XML) or not. The default run
     keeps the one SmolLM2's template takes (none); the server's code is the same for both."""
     from test_server import KEY, start_server, stop_server
     path = tiny[0]
@@ -315,7 +394,7 @@ def tool_server(request, tiny, tmp_path_factory):
     for f in path.parent.iterdir():
         if f.is_file():
             shutil.copy(f, d / f.name)
-    set_chat_template(d, HERMES_TEMPLATE if request.param == "hermes" else PLAIN_TEMPLATE)
+    set_chat_template(d, {"hermes": HERMES_TEMPLATE, "xml": XML_TEMPLATE, "none": PLAIN_TEMPLATE}[request.param])
     proc, url = start_server(d / path.name, "--api_key", KEY, "--max_batch_size", "2", "--max_seq_length", "2048",
                              "--model_name", "tiny")
     yield url, d / path.name
