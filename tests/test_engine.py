@@ -233,6 +233,20 @@ def test_linear_attention_prompt_cache(tiny):
     assert sorted(set(cached)) == [0, len(turn)]
 
 
+@pytest.mark.slow
+def test_compiled_engine_with_linear_attention(tiny):
+    """Compiled, every slot decodes in the one [max_batch_size, 1] shape: the rows that only ride along
+    (free, or prefilling) must leave their state as it was (lengths 0); prompts run eagerly."""
+    from compiling import rows_vary
+    model = tiny("qwen3_5")
+    torch._dynamo.reset()
+    engine = Engine(model, IdTokenizer(), max_batch_size=3, max_seq_length=340, prefill_chunk=48, compile=True)
+    assert not engine.live_rows_only and not rows_vary(model, "cpu")
+    ps = prompts()
+    results = engine.generate([Request(p, 10) for p in ps])
+    assert [r.token_ids for r in results] == [alone(model, p, 10) for p in ps]
+
+
 def test_chunked_prefill_equals_whole(tiny):
     """A prompt prefilled in chunks into a slot gives the logits of one whole prefill."""
     model = tiny("llama31")
