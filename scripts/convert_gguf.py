@@ -24,12 +24,13 @@ from errors import check_output_dir, error_boundary  # noqa: E402
 from load import atomic_save, atomic_write, atomic_write_text  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from rope import rope_frequencies  # noqa: E402
-from scripts.convert_hf_checkpoint import (check_against_model, latent_attention, mla_attention_scale,  # noqa: E402
-                                           rope_halves, split_gate_up)
+from scripts.convert_hf_checkpoint import (check_against_model, gated_delta_net, latent_attention,  # noqa: E402
+                                           mla_attention_scale, rope_halves, split_gate_up)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "olmo2", "exaone4",
                            "seed_oss", "glm4", "ernie4_5", "granite", "gpt-oss", "command-r", "cohere2", "glm4moe",
-                           "dots1", "minimax-m2", "deepseek2", "qwen2moe", "olmoe", "granitemoe", "mistral3")
+                           "dots1", "minimax-m2", "deepseek2", "qwen2moe", "olmoe", "granitemoe", "mistral3",
+                           "qwen3next", "qwen35", "qwen35moe")
 # DeepSeek V3's routing (sigmoid, a selection bias): llama.cpp's default for these where the file names none
 SIGMOID_ROUTER = ("glm4moe", "dots1", "minimax-m2")
 GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
@@ -42,6 +43,10 @@ PERMUTED = ("llama", "granite", "granitemoe", "mistral3")
 # Top-k router weights used as the softmax gives them unless the file says otherwise (llama.cpp's rule)
 UNNORMALISED_TOP_K = ("qwen2moe", "olmoe", "deepseek2")
 GEMMA = ("gemma2", "gemma3")
+# Gated DeltaNet beside gated attention (Qwen3-Next, Qwen3.5); llama.cpp orders Qwen3.5's value heads
+# tiled ([K0's 1st, K1's 1st, ..., K0's 2nd, ...]) where HF groups them by key head
+LINEAR_ATTENTION = ("qwen3next", "qwen35", "qwen35moe")
+TILED_VALUE_HEADS = ("qwen35", "qwen35moe")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # GGUF name (layer index as {}) -> brisk name. q/k/v are fused into wqkv afterwards.
@@ -98,7 +103,14 @@ ARCH_WEIGHT_MAP = {"phi3": {"blk.{}.ffn_up.weight": "layers.{}.feed_forward.w13.
                    "glm4": {"blk.{}.ffn_up.weight": "layers.{}.feed_forward.w13.weight"},
                    "seed_oss": {"blk.{}.post_attention_norm.weight": "layers.{}.ffn_norm.weight"},
                    "gpt-oss": {"blk.{}.post_attention_norm.weight": "layers.{}.ffn_norm.weight"},
-                   "glm4moe": {"blk.{}.post_attention_norm.weight": "layers.{}.ffn_norm.weight"}}
+                   "glm4moe": {"blk.{}.post_attention_norm.weight": "layers.{}.ffn_norm.weight"},
+                   **{arch: {"blk.{}.post_attention_norm.weight": "layers.{}.ffn_norm.weight",
+                             **{f"blk.{{}}.{ours}": f"layers.{{}}.attention.{theirs}" for ours, theirs in (
+                                 ("attn_qkv.weight", "w_qkv"), ("attn_gate.weight", "w_z"), ("ssm_beta.weight", "w_b"),
+                                 ("ssm_alpha.weight", "w_a"), ("ssm_ba.weight", "w_ba"), ("ssm_a", "A_log"),
+                                 ("ssm_dt.bias", "dt_bias"), ("ssm_conv1d.weight", "conv"),
+                                 ("ssm_norm.weight", "norm_weight"), ("ssm_out.weight", "wo.weight"))}}
+                      for arch in LINEAR_ATTENTION}}
 ROPE_FREQS = "rope_freqs.weight"  # LLaMA 3.1+ stores its rope scaling as per-frequency divisors
 YARN_FIELDS = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow", "attention_factor": "yarn_attn_factor"}
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
@@ -114,6 +126,8 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
            r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
            r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -133,6 +147,7 @@ PRE_TOKENIZERS = {
     "smaug-bpe": (_LLAMA3, False, False),
     "dbrx": (_LLAMA3, False, False),
     "qwen2": (_QWEN2, False, False),
+    "qwen35": (_QWEN35, False, False),
     "deepseek-r1-qwen": (_QWEN2, False, False),
     "tekken": (_TEKKEN, False, False),
     "gpt-4o": (_GPT4O, False, False),  # Phi-4-mini (o200k)
@@ -216,6 +231,9 @@ def config_from_gguf(reader) -> ModelArgs:
     # DeepSeek V2 (softmax) ranks a group by its best expert, V3 (sigmoid) by its two best
     group_top = 1 if mla and router == "softmax" else 2
     routed_scale = field(reader, f"{arch}.expert_weights_scale")
+    linear = arch in LINEAR_ATTENTION
+    linear_layers = [i for i in range(n_layer) if f"blk.{i}.ssm_a" in tensors] if linear else []
+    a = next(f"blk.{i}." for i in range(n_layer) if i not in linear_layers)  # an attention layer's tensors
     if gpt_oss and rope_scaling:  # its YaRN ramp is not rounded to whole dimensions (its HF config's truncate: false)
         rope_scaling["truncate"] = False
     return ModelArgs(
@@ -224,15 +242,16 @@ def config_from_gguf(reader) -> ModelArgs:
         n_layer=n_layer,
         n_head=n_head,
         dim=dim,
-        intermediate_size=get("feed_forward_length"),
+        # (Qwen3.5's MoE models: experts in every layer, no dense size)
+        intermediate_size=get("feed_forward_length", field(reader, f"{arch}.expert_feed_forward_length")),
         n_local_heads=n_local_heads,
         head_dim=head_dim,
         rope_base=rope_base,
         rope_scaling=rope_scaling,
         norm_eps=float(get("attention.layer_norm_epsilon" if cohere else "attention.layer_norm_rms_epsilon", 1e-5)),
-        attention_bias="blk.0.attn_q.bias" in tensors,
-        attention_out_bias="blk.0.attn_output.bias" in tensors,
-        attention_sinks="blk.0.attn_sinks.weight" in tensors,
+        attention_bias=a + "attn_q.bias" in tensors,
+        attention_out_bias=a + "attn_output.bias" in tensors,
+        attention_sinks=a + "attn_sinks.weight" in tensors,
         query_scale_beta=beta,
         query_scale_length=length,
         moe_bias="blk.0.ffn_gate_inp.bias" in tensors,
@@ -254,9 +273,9 @@ def config_from_gguf(reader) -> ModelArgs:
         routed_scale=float(routed_scale) if routed_scale not in (None, 0.0, 1.0) else None,
         norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", arch not in UNNORMALISED_TOP_K)),
         dense_layers=dense or None,
-        qk_norm=("all" if arch in ("olmo2", "olmoe", "minimax-m2") else "head" if "blk.0.attn_q_norm.weight" in tensors
+        qk_norm=("all" if arch in ("olmo2", "olmoe", "minimax-m2") else "head" if a + "attn_q_norm.weight" in tensors
                  else None),
-        norm_offset=1.0 if gemma else 0.0,
+        norm_offset=1.0 if gemma or linear else 0.0,
         norm_centered=cohere,
         block_norms=("sandwich" if gemma or arch == "glm4" else "post" if arch in POST_NORMS else
                      "parallel" if cohere else "pre"),
@@ -280,6 +299,12 @@ def config_from_gguf(reader) -> ModelArgs:
         kv_lora_rank=get("attention.kv_lora_rank") if mla else None,
         q_lora_rank=field(reader, f"{arch}.attention.q_lora_rank") or None if mla else None,
         v_head_dim=get("attention.value_length_mla") if mla else None,
+        linear_attention_layers=linear_layers or None,
+        # (llama.cpp's Mamba names: groups the key heads, the time-step rank the value heads, the state a key head)
+        **(dict(linear_key_heads=get("ssm.group_count"), linear_value_heads=get("ssm.time_step_rank"),
+                linear_key_dim=get("ssm.state_size"),
+                linear_value_dim=get("ssm.inner_size") // get("ssm.time_step_rank"),
+                linear_conv_kernel=get("ssm.conv_kernel"), attention_output_gate=True) if linear else {}),
     )
 
 
@@ -420,7 +445,7 @@ def convert_tensors(reader, config: ModelArgs, dtype=None) -> dict:
               file=sys.stderr, flush=True)
         for t in tensors:
             w = to_torch(t, dtype)
-            if config.norm_offset and t.name.endswith("norm.weight"):
+            if config.norm_offset and t.name.endswith("norm.weight") and not t.name.endswith("ssm_norm.weight"):
                 # llama.cpp stores Gemma's norms as 1 + weight; brisk keeps weight (model.RMSNorm adds the 1).
                 w = (w.float() - config.norm_offset).to(w.dtype)
             name = rename(t.name, weight_map)
@@ -428,10 +453,20 @@ def convert_tensors(reader, config: ModelArgs, dtype=None) -> dict:
                 w = w.transpose(1, 2).contiguous()
             elif name.endswith("shared_gate.weight"):  # one output: [dim] in the file
                 w = w.reshape(1, -1)
+            elif name.endswith("attention.A_log"):  # the file keeps -exp(A_log)
+                w = torch.log(-w.float()).to(w.dtype)
             state[name] = w
     for i in range(config.n_layer):
         p = f"layers.{i}.attention."
         f = f"layers.{i}.feed_forward."
+        if config.is_linear(i):
+            if arch in TILED_VALUE_HEADS:
+                grouped_value_heads(state, p, config)
+            gated_delta_net(state, p, config)
+            continue
+        if config.attention_output_gate:  # attn_q: each head's query, then its gate (HF's q_proj)
+            q = state.pop(p + "wq.weight").view(config.n_head, 2, config.head_dim, -1)
+            state[p + "wq.weight"], gate = (t.reshape(config.n_head * config.head_dim, -1) for t in q.unbind(1))
         if config.kv_lora_rank:  # llama.cpp keeps DeepSeek's RoPE on neighbouring pairs (its "norm" rope type)
             latent_attention(state, p, config, interleaved=True)
             continue
@@ -454,10 +489,33 @@ def convert_tensors(reader, config: ModelArgs, dtype=None) -> dict:
             for x, heads in (("q", config.n_head), ("k", config.n_local_heads)):
                 if p + f"w{x}.bias" in state:
                     state[p + f"w{x}.bias"] = rope_halves(state[p + f"w{x}.bias"], heads, config)
-        state[p + "wqkv.weight"] = torch.cat([q, k, state.pop(p + "wv.weight")])
+        state[p + "wqkv.weight"] = torch.cat([q, k, state.pop(p + "wv.weight")] + (
+            [gate] if config.attention_output_gate else []))
         if config.attention_bias:
             state[p + "wqkv.bias"] = torch.cat([state.pop(p + f"w{x}.bias") for x in "qkv"])
     return state
+
+
+def grouped_value_heads(state: dict, p: str, config: ModelArgs):
+    """Qwen3.5's Gated DeltaNet tensors (names under prefix p) with their value heads in llama.cpp's tiled
+    order (each key head's first value head, then each one's second, ...) put back grouped by key head
+    (HF's, which model.py's repeat_interleave of the key heads expects): v's rows of w_qkv and its
+    channels of the convolution, z's and b's and a's rows, A_log and dt_bias, the output's columns."""
+    kh, vh, dk, dv = config.linear_key_heads, config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
+
+    def grouped(t: torch.Tensor, width: int, dim: int = 0) -> torch.Tensor:
+        t = t.movedim(dim, 0)
+        t = t.reshape(vh // kh, kh, width, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        return t.movedim(0, dim).contiguous()
+
+    keys = 2 * kh * dk
+    for name in ("w_qkv", "conv"):
+        t = state[p + name]
+        state[p + name] = torch.cat([t[:keys], grouped(t[keys:], dv)])
+    state[p + "w_z"] = grouped(state[p + "w_z"], dv)
+    for name in ("w_b", "w_a", "A_log", "dt_bias"):
+        state[p + name] = grouped(state[p + name], 1)
+    state[p + "wo.weight"] = grouped(state[p + "wo.weight"], dv, dim=1)
 
 
 def convert_gguf(gguf_path: Path, output_dir: Path, dtype: str = None) -> Path:

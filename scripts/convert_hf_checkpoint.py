@@ -660,15 +660,17 @@ def gated_delta_net(state: dict, p: str, config: ModelArgs):
     [q, k, v, z, b, a] (Qwen3.5 keeps four of them; Qwen3-Next two, [q, k, v, z] and [b, a] per key head,
     whose rows are regrouped by kind), the depthwise convolution's [channels, 1, kernel] as [channels, kernel]."""
     kh, vh, dk, dv = config.linear_key_heads, config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
+    r = vh // kh  # value heads per key head
     if p + "w_qkvz" in state:
-        r = vh // kh  # value heads per key head
-        q, k, v, z = state.pop(p + "w_qkvz").view(kh, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], 1)
-        b, a = state.pop(p + "w_ba").view(kh, 2 * r, -1).split([r, r], 1)
-        parts = [q, k, v, z, b, a]
+        qkvz = state.pop(p + "w_qkvz").view(kh, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], 1)
     else:
-        parts = [state.pop(p + f"w_{x}") for x in ("qkv", "z", "b", "a")]
-    state[p + "w_in.weight"] = torch.cat([t.reshape(-1, t.shape[-1]) for t in parts])
-    state[p + "conv"] = state[p + "conv"].squeeze(1)
+        qkvz = [state.pop(p + "w_qkv"), state.pop(p + "w_z")]
+    # (llama.cpp's Qwen3-Next files keep [b, a] per key head as Qwen3-Next does)
+    ba = state.pop(p + "w_ba").view(kh, 2 * r, -1).split([r, r], 1) if p + "w_ba" in state else [
+        state.pop(p + "w_b"), state.pop(p + "w_a")]
+    state[p + "w_in.weight"] = torch.cat([t.reshape(-1, t.shape[-1]) for t in [*qkvz, *ba]])
+    conv = state[p + "conv"]
+    state[p + "conv"] = conv.squeeze(1) if conv.dim() == 3 else conv
 
 
 def latent_attention(state: dict, p: str, config: ModelArgs, interleaved: bool):

@@ -330,6 +330,13 @@ LLAMA_CPP_CONVERTED = {
     "deepseek_v3": ("deepseek_v3", {"scoring_func": "sigmoid"}),  # as the hub's config says (llama.cpp reads it)
     "deepseek_v2_yarn": ("deepseek_v2", FAMILY_ROUND_TRIPS_YARN),
     "glm4_moe_lite": ("glm4_moe_lite", {}),
+    # Gated DeltaNet: -exp(A_log), Qwen3.5's value heads tiled, Qwen3-Next's fused projections regrouped
+    # (--no-mtp: these tiny models have no prediction layer, which the converter otherwise expects)
+    "qwen3_5": ("qwen3_5", {"args": ["--no-mtp"]}),
+    # (its model type makes transformers load the tokenizer as Qwen3.5's own class, whose pre-tokenizer llama.cpp
+    # would then not recognise on SmolLM2's vocab: the converter runs with transformers' generic class)
+    "qwen3_5_moe": ("qwen3_5_moe", {"args": ["--no-mtp"], "generic_tokenizer": True}),
+    "qwen3_next": ("qwen3_next", {"mlp_only_layers": [], "args": ["--no-mtp"]}),
 }
 
 
@@ -347,11 +354,13 @@ def test_llama_cpp_converter_output_matches_transformers(case, default_model, tm
     # Its converter knows SmolLM2's tokenizer; GLM-4's wants <|user|> among the special tokens, GLM-4.5's more.
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_model.parent)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|user|>", "[gMASK]", "<|observation|>"]})
+    args = []
     if overrides is None:
         hf = save_gpt_oss_mxfp4(tmp_path / "hf", vocab_size=len(tokenizer))
     else:
         overrides = dict(overrides)
-        mtp = overrides.pop("mtp", 0)
+        mtp, args = overrides.pop("mtp", 0), overrides.pop("args", [])
+        generic = overrides.pop("generic_tokenizer", False)
         hf = make_hf_model(family, seed=5, vocab_size=len(tokenizer), **overrides)
         hf.save_pretrained(tmp_path / "hf")
         if mtp:  # the last layers become prediction layers, as a hub config counts them
@@ -361,8 +370,15 @@ def test_llama_cpp_converter_output_matches_transformers(case, default_model, tm
             (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
             hf.model.layers = hf.model.layers[:n_layer]
     tokenizer.save_pretrained(tmp_path / "hf")
-    subprocess.run([sys.executable, str(script), str(tmp_path / "hf"), "--outfile", str(tmp_path / "model.gguf"),
-                    "--outtype", "f32"], check=True, capture_output=True)
+    run = [str(script)]
+    if overrides is not None and generic:
+        run = ["-c", "import os, runpy, sys, transformers\n"
+               "fast = transformers.PreTrainedTokenizerFast.from_pretrained\n"
+               "transformers.AutoTokenizer.from_pretrained = lambda path, *a, **k: fast(path)\n"
+               "sys.argv = sys.argv[1:]\nsys.path.insert(0, os.path.dirname(sys.argv[0]))\n"
+               "runpy.run_path(sys.argv[0], run_name='__main__')", str(script)]
+    subprocess.run([sys.executable, *run, str(tmp_path / "hf"), "--outfile", str(tmp_path / "model.gguf"),
+                    "--outtype", "f32", *args], check=True, capture_output=True)
     path = convert_gguf(tmp_path / "model.gguf", tmp_path / "gguf_route")
     ids = torch.randint(0, 49152, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
