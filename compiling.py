@@ -380,12 +380,16 @@ def compile_prefill(fn: Callable, device: str) -> Callable:
     several: a batch of 1 would otherwise be a graph of its own, each a long compile. A packed
     model (not needs_freezing) runs its prompts eagerly: its products are kernels.cpp's either way,
     and compiling would fuse only the work around them (5-15% of a prompt's time) for ~20 s of
-    every start (the dynamic-shape trace, which AOTAutograd's cache does not spare).
+    every start (the dynamic-shape trace, which AOTAutograd's cache does not spare). A model with
+    linear attention (Qwen3.5) runs its prompts eagerly on every device: the chunked delta rule
+    loops over a prompt's chunks, a count no graph of dynamic length can hold.
     """
     if device != "cpu":
         compiled = torch.compile(fn, fullgraph=True, dynamic=True)
 
         def step(model, *args, **kwargs):
+            if model.config.linear_attention_layers:
+                return fn(model, *args, **kwargs)
             static_buffers(model)
             return compiled(model, *args, **kwargs)
         return step
@@ -394,7 +398,8 @@ def compile_prefill(fn: Callable, device: str) -> Callable:
     def step(model, *args, **kwargs):
         f = steps.get(model)
         if f is None:
-            f = steps[model] = frozen_step(fn, model, rows=None) if needs_freezing(model) else fn
+            eager = not needs_freezing(model) or model.config.linear_attention_layers
+            f = steps[model] = fn if eager else frozen_step(fn, model, rows=None)
         if f is fn:
             return fn(model, *args, **kwargs)
         static_buffers(model)

@@ -227,12 +227,10 @@ class Engine:
         # (a packed CPU model's, or eager); elsewhere every slot, in the one shape it was compiled for
         # (rows that do not decode compute garbage): one live request of 8 slots costs 8 rows there.
         self.live_rows_only = not compile or rows_vary(model, self.device.type)
+        self.prefill_fn = compile_prefill(prefill_step, self.device.type) if compile else prefill_step
         # Linear attention (Qwen3.5) keeps one state per slot at the last position it consumed: a slot's
         # prefix is reused only where the new prompt goes on from all of it, and no row copies another's.
-        # Its prompts run eagerly: the chunked delta rule's loop over chunks would trace a graph per count.
-        self.recurrent = any(model.config.is_linear(i) for i in range(model.config.n_layer))
-        self.prefill_fn = compile_prefill(prefill_step, self.device.type) if compile and not self.recurrent \
-            else prefill_step
+        self.recurrent = bool(model.config.linear_attention_layers)
         self.slots: list = [None] * max_batch_size  # slot -> _Sequence or None
         self.kept: list = [[] for _ in range(max_batch_size)]  # free slot -> the tokens its cache row holds
         self.freed_at: list = [0] * max_batch_size  # slot -> when it was last freed (0: never used)

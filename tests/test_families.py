@@ -562,3 +562,16 @@ def test_linear_attention_refuses_speculative_and_gptq(converted):
         speculative_generate(model, torch.tensor([1, 2, 3]), 4, ngram=2)
     with pytest.raises(ValueError, match="linear-attention \\(Qwen3.5\\)"):
         gptq_model(model, torch.zeros(1, 8, dtype=torch.long), 32)
+
+
+@pytest.mark.slow
+def test_compiled_prefill_of_linear_attention(converted):
+    """--compile_prefill on Qwen3.5: the prompt runs eagerly (compiling.compile_prefill: the chunk loop
+    has no graph of dynamic length), the compiled decode steps after it, the same tokens as eager."""
+    from compiling import compile_prefill, compile_step
+    from decode import decode_one_token, prefill
+    model = load_model(converted("qwen3_5")[1])
+    prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(2))
+    compiled = generate(model, prompt, 12, temperature=0.0, prefill_fn=compile_prefill(prefill, "cpu"),
+                        decode_fn=compile_step(decode_one_token, "cpu"))
+    assert compiled.tolist() == generate(model, prompt, 12, temperature=0.0).tolist()
