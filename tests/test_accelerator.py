@@ -32,7 +32,7 @@ def fresh_compile_state():
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
-@pytest.mark.parametrize("family", ["llama31", "mixtral", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama31", "mixtral", "qwen2", "mistral", "qwen3_5"])
 def test_logits_match_transformers(family, converted):
     hf, path = converted(family)
     model = load_model(path, DEVICE, torch.float32)
@@ -44,7 +44,7 @@ def test_logits_match_transformers(family, converted):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["llama31", "mixtral"])
+@pytest.mark.parametrize("family", ["llama31", "mixtral", "qwen3_5"])  # (qwen3_5: its state written in the graph)
 def test_compiled_generation_equals_eager(family, converted):
     """Greedy tokens of the compiled step (CUDA graphs on CUDA) equal eager ones, also when a later
     call grows the cache, changes the batch or the prompt length (generate() skips the guards after
