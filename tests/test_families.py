@@ -539,7 +539,8 @@ def test_gemma4_hub_config_names_the_global_shape():
 
 def test_linear_attention_state_against_the_plain_recurrence():
     """linear_attention.delta_rule_chunked (a prompt: chunks of the WY form, one padded) and the one-token
-    step equal the delta rule token by token from any state, for 1 to 150 tokens."""
+    step (its output without a third pass over the state) equal the delta rule token by token from any
+    state, for 1 to 150 tokens; the step with keep 0 as from an empty state."""
     from linear_attention import delta_rule_chunked, delta_rule_step, l2_normalized, recurrence
     g = torch.Generator().manual_seed(0)
     for T in (1, 5, 64, 150):
@@ -550,6 +551,11 @@ def test_linear_attention_state_against_the_plain_recurrence():
         for got in (delta_rule_chunked(q * 0.25, k, v, beta, decay, memory),) + (
                 (delta_rule_step(q * 0.25, k, v, beta, decay, memory),) if T == 1 else ()):
             for a, b in zip(got, expected):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        if T == 1:
+            got = delta_rule_step(q * 0.25, k, v, beta, decay, memory, keep=torch.tensor([[0.0], [1.0]]))
+            for a, b in zip(got, recurrence(q * 0.25, k, v, beta, decay, memory * torch.tensor([0.0, 1.0]).view(
+                    2, 1, 1, 1))):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
