@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from load import weights
+from linear_attention import RecurrentState
 from model import KVCache, MoEFeedForward
 
 # An unpacked bf16 step of up to this many rows runs inductor's bf16 template, faster there than
@@ -176,22 +177,28 @@ def precompiled(fn: Callable, model, args: tuple, kwargs: dict, signature: tuple
 
 
 def sequence_tensors(model) -> dict:
-    """The model's tensors whose length is the caches': each layer's K/V cache and the RoPE tables,
-    by name, in the order a package takes them."""
+    """The tensors setup_caches makes, by name, in the order a package takes them as inputs (a step
+    writes the caches; their length varies): each layer's K/V cache, linear attention's state (Qwen3.5:
+    sized by the slots alone) and the RoPE tables."""
     tensors = {}
     for name, module in model.named_modules():
         if isinstance(module, KVCache):
             tensors[f"{name}.k_cache"] = module.k_cache
             if module.v_cache is not None:  # (a keys-only cache: latent attention's)
                 tensors[f"{name}.v_cache"] = module.v_cache
+        elif isinstance(module, RecurrentState):
+            tensors[f"{name}.conv"], tensors[f"{name}.memory"] = module.conv, module.memory
     for name in ("rope_cos_sin", "rope_local_cos_sin"):
         if getattr(model, name, None) is not None:
             tensors[name] = getattr(model, name)
     return tensors
 
 
-def sequence_dim(name: str) -> int:
-    """The positions dimension of the sequence tensor `name`: a RoPE table's rows, a cache's third."""
+def sequence_dim(name: str) -> Optional[int]:
+    """The positions dimension of the sequence tensor `name`: a RoPE table's rows, a cache's third;
+    None for a linear-attention state, which has none."""
+    if name.endswith((".conv", ".memory")):
+        return None
     return 0 if name.endswith("cos_sin") else 2
 
 
@@ -229,7 +236,8 @@ def export_and_package(fn: Callable, model, args: tuple, kwargs: dict, path, dyn
     # DYNAMIC: export may narrow a length's range (a step that attends to the first 256 positions
     # needs at least 256) rather than fail; a cache of one position is a static shape.
     length = torch.export.Dim.DYNAMIC
-    dims = [None if model.max_seq_length == 1 else {sequence_dim(n): length} for n in names]
+    dims = [None if model.max_seq_length == 1 or sequence_dim(n) is None else {sequence_dim(n): length}
+            for n in names]
     rows = [{0: torch.export.Dim.DYNAMIC} if dynamic_rows else None for _ in at]
     with buffers_as_parameters(model, names):
         program = torch.export.export(Step(), examples, dynamic_shapes=(rows, dims), strict=False)
@@ -367,7 +375,8 @@ def sequence_dims_dynamic(model):
     """Mark the positions dimension of the model's KV caches and RoPE tables dynamic (a cache of
     one position stays static: dynamo specialises sizes 0 and 1)."""
     for name, t in sequence_tensors(model).items():
-        torch._dynamo.maybe_mark_dynamic(t, sequence_dim(name))
+        if sequence_dim(name) is not None:
+            torch._dynamo.maybe_mark_dynamic(t, sequence_dim(name))
 
 
 def compile_prefill(fn: Callable, device: str) -> Callable:

@@ -355,14 +355,16 @@ def test_a_saved_step_loads_without_dynamo_or_inductor(tmp_path):
                                   f"inductor {warm[2]}, mapped {warm[3]}")
 
 
-def test_packed_model_decodes_any_cache_length_with_one_graph(tmp_path, capfd):
+@pytest.mark.parametrize("family", ["llama31", pytest.param("qwen3_5", marks=pytest.mark.slow)])
+def test_packed_model_decodes_any_cache_length_with_one_graph(tmp_path, capfd, family):
     """Generations whose caches differ in length (prompt + new tokens) share the compiled step's one
-    package, token for token as eager, also after a cache grows."""
+    package, token for token as eager, also after a cache grows (qwen3_5: linear attention's state
+    among the package's inputs, as the caches are)."""
     from compiling import compile_step
     from decode import decode_one_token, generate
     if kernels.best_isa() == "":
         pytest.skip("kernels.cpp has no code for this CPU")
-    model = kernels.pack_for_cpu(load_model(save_and_convert(make_hf_model("llama31", seed=6), tmp_path)))
+    model = kernels.pack_for_cpu(load_model(save_and_convert(make_hf_model(family, seed=6), tmp_path)))
     decode_fn = compile_step(decode_one_token, "cpu")
     capfd.readouterr()
     for prompt_len, new_tokens in ((4, 6), (9, 12), (3, 30)):
