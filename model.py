@@ -393,8 +393,8 @@ class Transformer(nn.Module):
         device = device or weight.device
         self.max_seq_length, self.max_batch_size = max_seq_length, max_batch_size
         for i, layer in enumerate(self.layers):
-            if c.is_linear(i):  # (Qwen3.5) a state per row, not per position
-                layer.attention.state = layer.attention.make_state(max_batch_size, dtype).to(device)
+            if c.is_linear(i):  # (Qwen3.5) a state per row, not per position; tiny: in the model's dtype
+                layer.attention.state = layer.attention.make_state(max_batch_size, weight.dtype).to(device)
                 continue
             if c.kv_source(i) is not None:  # (Gemma 4 E2B / E4B: an earlier layer's cache, read, not written)
                 layer.attention.kv_cache = self.layers[c.kv_source(i)].attention.kv_cache
