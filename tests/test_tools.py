@@ -1,6 +1,7 @@
 """Tool calling (tools.py; the server's `tools` / `tool_choice`): the prompt as transformers renders
 the same template with the same tools, the calls held to the tools' schemas and read back, the
 text streamed before a call; SmolLM2 calls the right tool; the official client end to end."""
+import functools
 import json
 import shutil
 
@@ -274,14 +275,10 @@ def token_ids(tokenizer, text):
     return tokenizer.encode(text, bos=False)
 
 
-def test_auto_grammar_holds_calls_after_the_tag(tiny):
-    """tool_choice auto: the grammar starts where the model writes <tool_call> (engine.py's
-    grammar_trigger; tests/test_structured.py: the text before it is the free answer); from there
-    each call must name a tool and match its parameters, and nothing but calls follows
-    (checked on llguidance's matcher, token by token)."""
+def lazy_grammar_accepts(tokenizer, model):
+    """-> accepted(tools, text): whether the tools' lazy grammar, started at <tool_call>, takes every
+    token of text after it (on llguidance's matcher, token by token)."""
     from structured import Constraint, TokenTable
-    path, model, _ = tiny
-    tokenizer = tokenizer_with(path, HERMES_TEMPLATE)
     table = TokenTable(tokenizer, model.config.vocab_size)
 
     def accepted(tools, text):
@@ -293,7 +290,16 @@ def test_auto_grammar_holds_calls_after_the_tag(tiny):
                 return False
             constraint.take(t)
         return True
+    return accepted
 
+
+def test_auto_grammar_holds_calls_after_the_tag(tiny):
+    """tool_choice auto: the grammar starts where the model writes <tool_call> (engine.py's
+    grammar_trigger; tests/test_structured.py: the text before it is the free answer); from there
+    each call must name a tool and match its parameters, and nothing but calls follows
+    (checked on llguidance's matcher, token by token)."""
+    tokenizer = tokenizer_with(tiny[0], HERMES_TEMPLATE)
+    accepted = lazy_grammar_accepts(tokenizer, tiny[1])
     call = '\n{"name": "pick", "arguments": {"color": "blue", "n": 7}}\n</tool_call>'
     second = '\n<tool_call>{"name": "count", "arguments": {"k": 2}}</tool_call>'
     tools, one = hermes_tools(tokenizer), hermes_tools(tokenizer, parallel=False)
@@ -307,22 +313,9 @@ def test_auto_grammar_holds_calls_after_the_tag(tiny):
 def test_auto_grammar_holds_xml_calls(tiny):
     """The same for Qwen3.5's XML calls: arguments in the schema's order, a string one as free text up to
     its closing tag, another as JSON of its schema; an optional one may be left out."""
-    from structured import Constraint, TokenTable
-    path, model, _ = tiny
-    tokenizer = tokenizer_with(path, XML_TEMPLATE)
-    table = TokenTable(tokenizer, model.config.vocab_size)
+    tokenizer = tokenizer_with(tiny[0], XML_TEMPLATE)
     tools = Tools.read([PICK, COUNT, NOTE], "auto", True, tokenizer)
-
-    def accepted(text):
-        grammar, trigger = tools.grammar()
-        assert trigger == "<tool_call>"
-        constraint = Constraint(table, grammar)
-        for t in token_ids(tokenizer, text):
-            if not constraint.allowed("cpu")[t]:
-                return False
-            constraint.take(t)
-        return True
-
+    accepted = functools.partial(lazy_grammar_accepts(tokenizer, tiny[1]), tools)
     pick = '\n<function=pick>\n<parameter=color>\nblue\n</parameter>\n<parameter=n>\n7\n</parameter>\n</function>\n'
     note = '\n<function=note>\n<parameter=text>\na < b\nc\n</parameter>\n</function>\n'
     assert accepted(pick + "</tool_call>") and accepted(note + "</tool_call>")
