@@ -4,8 +4,9 @@
 Plain single-device PyTorch: quantize.py swaps its linears and tp.py shards it from outside.
 Variants (GQA, q/k/v bias, tied embeddings, rope scaling, mixture of experts, q/k norms, Gemma's
 norms, GeGLU and soft-capping, Granite's multipliers, gpt-oss's sinks and biased experts, DeepSeek V3's
-sigmoid routing, Cohere's parallel blocks, per-layer sliding windows and RoPE) come from `ModelArgs`, which
-the converters write as config.json beside the weights; the defaults are LLaMA's.
+sigmoid routing, Cohere's parallel blocks, per-layer sliding windows and RoPE, Qwen3.5's linear attention
+in linear_attention.py) come from `ModelArgs`, which the converters write as config.json beside the
+weights; the defaults are LLaMA's.
 """
 import json
 import math
@@ -512,7 +513,7 @@ class TransformerBlock(nn.Module):
         c = config
         self.linear = c.is_linear(layer_id)  # a recurrent state, no KV cache (Qwen3.5's Gated DeltaNet)
         self.attention = (GatedDeltaNet(c.dim, c.linear_key_heads, c.linear_value_heads, c.linear_key_dim,
-                                        c.linear_value_dim, c.linear_conv_kernel, c.norm_eps) if c.is_linear(layer_id)
+                                        c.linear_value_dim, c.linear_conv_kernel, c.norm_eps) if self.linear
                           else LatentAttention(c) if c.kv_lora_rank else Attention(c, layer_id))
         moe = config.num_experts > 0 and not config.experts_beside_mlp and layer_id not in (config.dense_layers or ())
         wide = config.double_wide_mlp and config.kv_source(layer_id) is not None  # (Gemma 4 E2B / E4B)
