@@ -62,6 +62,7 @@ class Model:
     hf_dir: Optional[Path]
     work_dir: Path
     new_tokens: int  # decode length of the short-prompt run
+    gguf_flags: tuple = ()  # for llama.cpp's converter
 
 
 def resolve_model(name: str, args) -> Model:
@@ -75,9 +76,13 @@ def resolve_model(name: str, args) -> Model:
     if name == "llama-1b":
         make_random_llama_1b(work, tokenizer_dir=args.smollm2_dir)
         return Model(name, work / "model.pth", work / "hf", work, 64)
+    if name == "qwen3.5-0.8b":  # (no multi-token-prediction layer, which llama.cpp's converter would expect)
+        make_random_qwen35(work, tokenizer_dir=args.smollm2_dir)
+        return Model(name, work / "model.pth", work / "hf", work, 128, gguf_flags=("--no-mtp",))
     d = Path(name)
     if not (d / "model.pth").is_file():
-        raise ValueError(f"--models: {name!r} is neither smollm2, llama-1b nor a folder holding model.pth")
+        raise ValueError(f"--models: {name!r} is neither smollm2, llama-1b, qwen3.5-0.8b nor a folder holding "
+                         "model.pth")
     hf = d / "hf" if (d / "hf" / "config.json").is_file() else None
     return Model(d.name, d / "model.pth", hf, args.work_dir / d.name, 128)
 
@@ -117,7 +122,6 @@ def make_random_llama_1b(out: Path, tokenizer_dir: Path):
     import torch
     import transformers
     from model import ModelArgs
-    from scripts.convert_hf_checkpoint import TOKENIZER_FILES, convert_hf_checkpoint
 
     log(f"making a random LLaMA-3.2-1B-shaped model in {out} (once)")
     a = ModelArgs.from_name("llama-3.2-1b")
@@ -127,8 +131,32 @@ def make_random_llama_1b(out: Path, tokenizer_dir: Path):
         max_position_embeddings=2048, rms_norm_eps=a.norm_eps, rope_theta=a.rope_base, rope_scaling=a.rope_scaling,
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=2)
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(out / "hf")
-    # SmolLM2's tokenizer (same vocabulary size): the GGUF converter needs one.
+    save_random_model(transformers.LlamaForCausalLM(config), out, tokenizer_dir)
+
+
+def make_random_qwen35(out: Path, tokenizer_dir: Path):
+    """A random model of Qwen3.5's small shape (0.75B: 24 layers of 1024, 18 of them Gated DeltaNet of 16
+    heads of 128, 6 of gated attention, 8 query and 2 key/value heads of 256; a tied 248320-token
+    vocabulary), in bf16 as Qwen's releases, by transformers' own class and initialisation."""
+    if (out / "model.pth").is_file():
+        return
+    import torch
+    import transformers
+    log(f"making a random Qwen3.5-shaped model in {out} (once)")
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768, tie_word_embeddings=True,
+        rms_norm_eps=1e-6, eos_token_id=0)
+    torch.manual_seed(0)
+    save_random_model(transformers.Qwen3_5ForCausalLM(config).to(torch.bfloat16), out, tokenizer_dir)
+
+
+def save_random_model(model, out: Path, tokenizer_dir: Path):
+    """A random transformers model into out/hf with SmolLM2's tokenizer (the GGUF converter needs one;
+    the vocabulary fits), converted into out."""
+    from scripts.convert_hf_checkpoint import TOKENIZER_FILES, convert_hf_checkpoint
+    model.save_pretrained(out / "hf")
     src = tokenizer_dir / "hf" if (tokenizer_dir / "hf" / "tokenizer.json").is_file() else tokenizer_dir
     for f in TOKENIZER_FILES:
         if (src / f).is_file() and f != "generation_config.json":
@@ -175,7 +203,7 @@ def gguf_file(model: Model, precision: str, tools: dict) -> Path:
         log(f"converting {model.hf_dir} to {f32}")
         with partial_file(f32) as tmp:
             run_checked([sys.executable, str(tools["convert"]), str(model.hf_dir), "--outtype", "f32",
-                         "--outfile", str(tmp)])
+                         "--outfile", str(tmp), *model.gguf_flags])
     out = f32.with_name(f"{GGUF_TYPES[precision]}.gguf")
     if not out.is_file():
         log(f"llama-quantize {f32.name} -> {out.name}")
@@ -755,8 +783,9 @@ def optional_path(s: str) -> Optional[Path]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Benchmark brisk against transformers and llama.cpp on this machine.")
     p.add_argument("--models", default=None,
-                   help="comma-separated: smollm2, llama-1b (random LLaMA-3.2-1B shape), or folders holding "
-                        "model.pth (and hf/); default smollm2,llama-1b (--quick: smollm2)")
+                   help="comma-separated: smollm2, llama-1b (random LLaMA-3.2-1B shape), qwen3.5-0.8b (random, "
+                        "Qwen3.5's small shape: linear attention), or folders holding model.pth (and hf/); "
+                        "default smollm2,llama-1b (--quick: smollm2)")
     p.add_argument("--configs", default=",".join(DEFAULT_SYSTEMS),
                    help=f"comma-separated systems from {', '.join(SYSTEMS)}, or all (transformers-compile "
                         "is off by default: it compiles for minutes)")
