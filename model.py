@@ -462,10 +462,12 @@ class Transformer(nn.Module):
         # size, where the two kinds differ: Gemma 4), each built only when some layer needs it.
         masks = {}
         for layer in self.layers:
+            if layer.mask_kind in masks:
+                continue
             if layer.mask_kind == "tokens":  # (linear attention) which tokens are real
                 masks["tokens"] = None if lengths is None else (
                     torch.arange(idx.shape[1], device=idx.device) < lengths[:, None])
-            elif layer.mask_kind not in masks:
+            else:
                 masks[layer.mask_kind] = self.attention_mask(input_pos, idx.shape[1], from_start,
                                                              c.sliding_window if layer.sliding else None, kv_len,
                                                              layer.mask_kind[1])
