@@ -25,7 +25,7 @@ from load import atomic_save, atomic_write, atomic_write_text  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from rope import rope_frequencies  # noqa: E402
 from scripts.convert_hf_checkpoint import (check_against_model, gated_delta_net, latent_attention,  # noqa: E402
-                                           mla_attention_scale, rope_halves, split_gate_up)
+                                           mla_attention_scale, queries_and_gates, rope_halves, split_gate_up)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "olmo2", "exaone4",
                            "seed_oss", "glm4", "ernie4_5", "granite", "gpt-oss", "command-r", "cohere2", "glm4moe",
@@ -465,8 +465,7 @@ def convert_tensors(reader, config: ModelArgs, dtype=None) -> dict:
             gated_delta_net(state, p, config)
             continue
         if config.attention_output_gate:  # attn_q: each head's query, then its gate (HF's q_proj)
-            q = state.pop(p + "wq.weight").view(config.n_head, 2, config.head_dim, -1)
-            state[p + "wq.weight"], gate = (t.reshape(config.n_head * config.head_dim, -1) for t in q.unbind(1))
+            state[p + "wq.weight"], gate = queries_and_gates(state.pop(p + "wq.weight"), config)
         if config.kv_lora_rank:  # llama.cpp keeps DeepSeek's RoPE on neighbouring pairs (its "norm" rope type)
             latent_attention(state, p, config, interleaved=True)
             continue

@@ -613,10 +613,8 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
         linear = config.is_linear(i)
         if linear:
             gated_delta_net(state, p, config)
-        elif config.attention_output_gate:  # q_proj holds each head's query and then its gate: the gates go last
-            q = state.pop(p + "wq.weight").view(config.n_head, 2, config.head_dim, -1)
-            state[p + "wq.weight"], state[p + "wgate.weight"] = (t.reshape(config.n_head * config.head_dim, -1)
-                                                                  for t in q.unbind(1))
+        elif config.attention_output_gate:  # (the gates go last in wqkv)
+            state[p + "wq.weight"], state[p + "wgate.weight"] = queries_and_gates(state.pop(p + "wq.weight"), config)
         if config.kv_lora_rank:
             latent_attention(state, p, config, interleaved=hf_rope_interleave)
         for kind in ("weight", "bias") if not (config.kv_lora_rank or linear) else ():
@@ -653,6 +651,13 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
                     raise ValueError(f"layer {i}: {w} is missing experts in the HF checkpoint")
                 state[f + w] = torch.stack(experts)
     return state
+
+
+def queries_and_gates(w: torch.Tensor, config: ModelArgs) -> tuple:
+    """A gated attention's q_proj rows (Qwen3.5, Qwen3-Next: each head's query, then its output gate) ->
+    (the queries' rows, the gates' rows)."""
+    heads = w.view(config.n_head, 2, config.head_dim, -1).unbind(1)
+    return tuple(t.reshape(config.n_head * config.head_dim, -1) for t in heads)
 
 
 def gated_delta_net(state: dict, p: str, config: ModelArgs):
