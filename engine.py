@@ -66,7 +66,9 @@ class Request:
     grammar: Optional[str] = None
     # With a trigger the grammar is lazy (as llama.cpp's are for tool calls): the text is free, and
     # nothing is masked, until the trigger first appears in it; the grammar then holds what follows.
-    # A compiled re pattern: from where its first match in the text ends.
+    # A compiled re pattern: from where its first match in the text ends, or, where the pattern has
+    # a group, from where that group starts (the group is the grammar's own first text: a bare JSON
+    # call's `{"name"`, which nothing before it marks).
     grammar_trigger: Union[str, re.Pattern, None] = None
     seed: Optional[int] = None
     stop: Sequence[str] = ()  # stop strings: the text ends before the first one
@@ -554,8 +556,8 @@ class Engine:
 
     def _trigger(self, s: _Sequence, text: str):
         """A lazy grammar starts where its trigger first appears (a pattern: where its first match
-        ends), fed the text after it (a token may hold the trigger's end and more). Where that
-        text already breaks the grammar, the answer stays free."""
+        ends, or its group starts), fed the text after it (a token may hold the trigger's end and
+        more). Where that text already breaks the grammar, the answer stays free."""
         trigger = s.request.grammar_trigger
         if isinstance(trigger, str):
             at = text.find(trigger, s.trigger_search)
@@ -564,7 +566,8 @@ class Engine:
                 s.trigger_search = max(0, len(text) - len(trigger) + 1)
         else:  # from the text's start each time: a pattern may look behind its match (past the thinking)
             match = trigger.search(text)
-            end = match.end() if match is not None and match.end() > s.trigger_search else -1
+            end = (-1 if match is None or match.end() <= s.trigger_search else
+                   match.start(1) if trigger.groups else match.end())
         if end < 0 or text.endswith("\ufffd"):  # not there, or the text after it not whole yet
             return
         s.trigger_search = len(text) + 1  # where this tail breaks the grammar, a later trigger may start it

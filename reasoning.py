@@ -41,13 +41,18 @@ class Reasoning:
             return None
         return cls(opened=tokenizer.decode(prompt[-8:]).rstrip().endswith(OPEN))
 
-    def after_thinking(self, trigger: str) -> re.Pattern:
+    def after_thinking(self, trigger) -> re.Pattern:
         """A lazy grammar's trigger (engine.py) found only after the thinking: a tool call that the
-        model spells out while it thinks is not one."""
-        tag = re.escape(trigger)
+        model spells out while it thinks is not one. trigger: a text, or a pattern anchored at the
+        answer's start (`^`: where the answer after the thinking starts)."""
+        if isinstance(trigger, str):
+            rest = ".*?" + re.escape(trigger)
+        else:
+            assert trigger.pattern.startswith("^"), "a pattern trigger holds at the answer's start"
+            rest = trigger.pattern[1:]
         if self.opened:
-            return re.compile(f"{CLOSE}.*?{tag}", re.S)
-        return re.compile(rf"^(?:\s*{OPEN}.*?{CLOSE}|(?!\s*{OPEN})).*?{tag}", re.S)
+            return re.compile(f"{CLOSE}{rest}", re.S)
+        return re.compile(rf"^(?:\s*{OPEN}.*?{CLOSE}|(?!\s*{OPEN})){rest}", re.S)
 
     def split(self, text: str, final: bool = True) -> tuple:
         """An answer -> (its thinking, None where it has none; the rest). final False: the answer so

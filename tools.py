@@ -16,9 +16,10 @@ How a model calls tools is what its chat template taught it:
 
 The calls are held to the tools' JSON schemas by a grammar (structured.py, llguidance): with
 `tool_choice` "required" or a named function the answer is calls from its first token; with
-"auto" (hermes) the text is free, nothing masked, until the model writes `<tool_call>`, and from
-there each call must name a tool and match its parameters (a lazy grammar, engine.py's
-grammar_trigger, as llama.cpp's server does it), so a call read back parses.
+"auto" the text is free, nothing masked, until the model writes `<tool_call>` (a bare JSON call:
+until the answer opens with `{"name"`), and from there each call must name a tool and match its
+parameters (a lazy grammar, engine.py's grammar_trigger, as llama.cpp's server does it), so a call
+read back parses.
 
     tools = Tools.read(body["tools"], body.get("tool_choice"), True, tokenizer)
     ids = tokenizer.encode_chat(tools.messages(messages), tools=tools.template_tools)
@@ -38,6 +39,9 @@ from structured import WHITESPACE, lark_grammar
 HERMES, XML, JSON, HARMONY = "hermes", "xml", "json", "harmony"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION = "<function="  # (XML's call: <function=NAME> then <parameter=KEY>\nVALUE\n</parameter> each)
+# Where a bare JSON call starts: an answer that opens with {"name" (or a list of such), the grammar
+# taking over at its brace (engine.py's grammar_trigger: a pattern's group).
+JSON_CALL = re.compile(r'^\s*((?:\[\s*)?\{\s*"name")')
 # An XML string argument: raw text up to its closing tag (no "</" inside), the tag with it
 RAW_ARGUMENT = r"/([^<]|<[^\/])*\n<\/parameter>\n/"
 
@@ -202,10 +206,14 @@ class Tools:
         if answer_schema is not None:
             answer = "%json " + json.dumps({**answer_schema, "x-guidance": {"whitespace_pattern": WHITESPACE}},
                                            ensure_ascii=False)
-        if self.style == JSON:  # one bare object: nothing marks where a call starts, so only a forced one is held
+        if self.style == JSON:  # the answer is the call (Llama 3.x), or a list of calls (Mistral)
+            listed = '"[" WS call ("," WS call)* WS "]"' if many else '"[" WS call WS "]"'
+            shape = f"\ncalls: call | {listed}\ncall: {call}\nWS: /[ \\t\\n]{{0,4}}/"
             if self.forced:
-                return lark_grammar(f"start: {call}"), None
-            return (lark_grammar(f"start: {call} | {answer}"), None) if answer else (None, None)
+                return lark_grammar(f"start: calls{shape}"), None
+            if answer:
+                return lark_grammar(f"start: calls | {answer}{shape}"), None
+            return lark_grammar(f"start: calls{shape}"), JSON_CALL
         calls = 'call ("\\n" call)*' if many else "call"
         block = f'call: "{OPEN}\\n" {call} "\\n{CLOSE}"{rules}'
         if self.forced:

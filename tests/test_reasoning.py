@@ -11,6 +11,7 @@ from decode import generate
 from load import load_model
 from reasoning import Reasoning, ReasoningStream
 from tokenizer import load_tokenizer
+from tools import JSON_CALL
 
 # As Qwen3's does: the generation prompt opens the thinking, or with enable_thinking false holds an
 # empty one.
@@ -56,6 +57,17 @@ def test_tool_calls_are_looked_for_after_the_thinking(opened):
     assert starts("<think>hm <tool_call> no</think>\nYes. " + call) == len("<think>hm <tool_call> no</think>\nYes. ") + 11
     assert starts("hm</think> " + call) == len("hm</think> ") + 11
     assert starts("Plain " + call) == (None if opened else len("Plain ") + 11)
+    # A bare JSON call (Llama's) must open the answer after the thinking; the grammar starts at its brace.
+    bare = Reasoning(opened).after_thinking(JSON_CALL)
+
+    def opens(text):
+        match = bare.search(text)
+        return match and match.start(1)
+    json_call = '{"name": "f"}'
+    assert opens('<think>maybe {"name": "f"}') is None and opens("hm</think> Sure: " + json_call) is None
+    assert opens("<think>hm</think>\n" + json_call) == len("<think>hm</think>\n")
+    assert opens("hm</think> " + json_call) == (len("hm</think> ") if opened else None)
+    assert opens(json_call) == (None if opened else 0)
 
 
 def tiny_server(tmp_path_factory, name: str, make_checkpoint):

@@ -11,7 +11,7 @@ from conftest import make_hf_model, save_and_convert, save_tokenizer
 from decode import generate
 from engine import Engine, Request
 from load import load_model
-from structured import json_grammar
+from structured import WHITESPACE, json_grammar, lark_grammar
 from tokenizer import load_tokenizer
 
 # Every part bounded (strings, arrays, numbers), so that even a random model's answer must end.
@@ -87,11 +87,12 @@ def test_needs_a_tokenizer_json(tiny):
     assert not engine.has_work()
 
 
-@pytest.mark.parametrize("as_pattern", [False, True], ids=["text", "pattern"])
-def test_lazy_grammar_starts_at_its_trigger(tiny, as_pattern):
+@pytest.mark.parametrize("kind", ["text", "pattern", "group"])
+def test_lazy_grammar_starts_at_its_trigger(tiny, kind):
     """grammar_trigger (tool calls' lazy grammars): the answer is the free one, nothing masked, up
     to the trigger's first appearance, and follows the grammar after it; a trigger that never
-    appears leaves the answer free."""
+    appears leaves the answer free. A pattern with a group hands the grammar the text from the
+    group on (here the trigger's last character, which the grammar then must start with)."""
     model, tokenizer = tiny
     ids = tokenizer.encode("Paris is the capital of")
     engine = Engine(model, tokenizer, max_batch_size=2, max_seq_length=256)
@@ -100,11 +101,15 @@ def test_lazy_grammar_starts_at_its_trigger(tiny, as_pattern):
     # A trigger that ends where a token ends, at its first appearance: the grammar takes over there.
     j = next(j for j in range(2, len(texts)) if len(texts[j]) >= 2 and "\ufffd" not in texts[j][-2:]
              and texts[j].find(texts[j][-2:]) == len(texts[j]) - 2)
-    trigger, never = texts[j][-2:], "\x00never"
-    if as_pattern:  # re patterns: the grammar starts where the first match ends
+    trigger, never, grammar = texts[j][-2:], "\x00never", json_grammar(SCHEMA)
+    if kind != "text":  # re patterns: the grammar starts where the first match ends
         trigger, never = re.compile(re.escape(trigger)), re.compile(re.escape(never))
-    lazy, never = engine.generate([Request(ids, 200, grammar=json_grammar(SCHEMA), grammar_trigger=trigger),
-                                   Request(ids, 30, grammar=json_grammar(SCHEMA), grammar_trigger=never)])
+    if kind == "group":
+        trigger = re.compile(re.escape(texts[j][-2]) + f"({re.escape(texts[j][-1])})")
+        compact = {**SCHEMA, "x-guidance": {"whitespace_pattern": WHITESPACE}}
+        grammar = lark_grammar(f"start: {json.dumps(texts[j][-1])} %json {json.dumps(compact)}")
+    lazy, never = engine.generate([Request(ids, 200, grammar=grammar, grammar_trigger=trigger),
+                                   Request(ids, 30, grammar=grammar, grammar_trigger=never)])
     assert lazy.token_ids[:j] == free.token_ids[:j] and lazy.text.startswith(texts[j])
     assert lazy.finish_reason == "stop" and follows_schema(json.loads(lazy.text[len(texts[j]):]))
     assert never.token_ids == free.token_ids

@@ -13,7 +13,7 @@ from decode import generate
 from engine import Engine, Request
 from load import load_model
 from tokenizer import load_tokenizer
-from tools import JSON, SYSTEM_PROMPT, XML, Tools, ToolStream, encode_conversation, read_messages
+from tools import JSON, JSON_CALL, SYSTEM_PROMPT, XML, Tools, ToolStream, encode_conversation, read_messages
 
 # Templates written for these tests in the two ways models are taught to call tools: hermes tags
 # (Qwen2.5 / Qwen3, Hermes) and a bare JSON object with "parameters" (Llama 3.x); and one that
@@ -276,14 +276,15 @@ def token_ids(tokenizer, text):
 
 
 def lazy_grammar_accepts(tokenizer, model):
-    """-> accepted(tools, text): whether the tools' lazy grammar, started at <tool_call>, takes every
-    token of text after it (on llguidance's matcher, token by token)."""
+    """-> accepted(tools, text): whether the tools' lazy grammar, started at <tool_call> (a bare JSON
+    call: at the start of the text), takes every token of text after it (on llguidance's matcher,
+    token by token)."""
     from structured import Constraint, TokenTable
     table = TokenTable(tokenizer, model.config.vocab_size)
 
     def accepted(tools, text):
         grammar, trigger = tools.grammar()
-        assert trigger == "<tool_call>"
+        assert trigger == ("<tool_call>" if tools.style != JSON else JSON_CALL)
         constraint = Constraint(table, grammar)
         for t in token_ids(tokenizer, text):
             if not constraint.allowed("cpu")[t]:
@@ -325,6 +326,25 @@ def test_auto_grammar_holds_xml_calls(tiny):
     assert not accepted('\n<function=pick>\n<parameter=n>\n7\n</parameter>\n')  # order, and color is required
     assert not accepted('\n<function=fly>\n')
     assert not accepted(pick + "</tool_call> and then")
+
+
+def test_auto_grammar_holds_bare_json_calls(tiny):
+    """Llama 3.x's bare JSON: the grammar takes over where the answer opens with {"name" (the
+    trigger's group, from the brace on); from there the answer is one call that names a tool and
+    matches its parameters, or with parallel calls a list of them (Mistral's), and nothing after it.
+    An answer that opens otherwise, a JSON one included, stays free."""
+    tokenizer = tokenizer_with(tiny[0], JSON_TEMPLATE)
+    accepted = lazy_grammar_accepts(tokenizer, tiny[1])
+    tools, one = (Tools.read([PICK, COUNT], "auto", parallel, tokenizer) for parallel in (True, False))
+    pick = '{"name": "pick", "parameters": {"color": "blue", "n": 7}}'
+    count = '{"name": "count", "parameters": {"k": 2}}'
+    assert accepted(tools, pick) and accepted(one, pick) and accepted(tools, f"[{pick}, {count}]")
+    assert accepted(one, f"[{count}]") and not accepted(one, f"[{pick}, {count}]")
+    assert not accepted(tools, pick + " and then") and not accepted(tools, pick.replace("blue", "green"))
+    assert not accepted(tools, pick.replace("parameters", "arguments"))
+    assert not accepted(tools, '{"name": "fly", "parameters": {}}')
+    starts = [JSON_CALL.search(text) for text in (" \n" + pick, f"[ {pick}]", '{"answer": 1}', "Sure: " + pick)]
+    assert [m and m.start(1) for m in starts] == [2, 0, None, None]
 
 
 @pytest.mark.parametrize("template", [HERMES_TEMPLATE, JSON_TEMPLATE, XML_TEMPLATE, PLAIN_TEMPLATE],
@@ -377,17 +397,20 @@ def test_real_model_calls_the_right_tool(default_model):
 # Through the server and the official client
 
 @pytest.fixture(scope="module", params=[pytest.param("hermes", marks=pytest.mark.slow),
-                                        pytest.param("xml", marks=pytest.mark.slow), "none"])
+                                        pytest.param("xml", marks=pytest.mark.slow),
+                                        pytest.param("json", marks=pytest.mark.slow), "none"])
 def tool_server(request, tiny, tmp_path_factory):
-    """The server on the tiny model, its template taking tools (hermes, Qwen3.5's XML) or not. The default run
-    keeps the one SmolLM2's template takes (none); the server's code is the same for both."""
+    """The server on the tiny model, its template taking tools (hermes, Qwen3.5's XML, Llama's bare JSON)
+    or not. The default run keeps the one SmolLM2's template takes (none); the server's code is the
+    same for all."""
     from test_server import KEY, start_server, stop_server
     path = tiny[0]
     d = tmp_path_factory.mktemp(f"server-{request.param}")
     for f in path.parent.iterdir():
         if f.is_file():
             shutil.copy(f, d / f.name)
-    set_chat_template(d, {"hermes": HERMES_TEMPLATE, "xml": XML_TEMPLATE, "none": PLAIN_TEMPLATE}[request.param])
+    set_chat_template(d, {"hermes": HERMES_TEMPLATE, "xml": XML_TEMPLATE, "json": JSON_TEMPLATE,
+                          "none": PLAIN_TEMPLATE}[request.param])
     proc, url = start_server(d / path.name, "--api_key", KEY, "--max_batch_size", "2", "--max_seq_length", "2048",
                              "--model_name", "tiny")
     yield url, d / path.name
