@@ -46,6 +46,16 @@ def lark_grammar(lark: str) -> str:
     return _checked(lambda matcher: matcher.grammar_from_lark(lark), "the grammar")
 
 
+def pattern_regex(pattern: str) -> str:
+    """A JSON schema's `pattern` (ECMA-262, found anywhere in the string unless anchored) -> the
+    Lark regex (inside /.../) of the whole strings it admits."""
+    head = pattern.startswith("^")
+    tail = pattern.endswith("$") and not pattern.endswith("\\$")
+    body = _llguidance().regex_to_lark(pattern[head:len(pattern) - tail], "dw")  # \d and \w in ASCII, as JSON
+    anything = r"[\s\S]*"
+    return f"{'' if head else anything}(?:{body}){'' if tail else anything}"
+
+
 def _checked(compile_grammar, what: str) -> str:
     matcher = _llguidance().LLMatcher
     try:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from reasoning import CHANNEL, MESSAGE, START
-from structured import WHITESPACE, lark_grammar
+from structured import WHITESPACE, lark_grammar, pattern_regex
 
 HERMES, XML, JSON, HARMONY = "hermes", "xml", "json", "harmony"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -43,6 +43,7 @@ FUNCTION = "<function="  # (XML's call: <function=NAME> then <parameter=KEY>\nVA
 # taking over at its brace (engine.py's grammar_trigger: a pattern's group).
 JSON_CALL = re.compile(r'^\s*((?:\[\s*)?\{\s*"name")')
 # An XML string argument: raw text up to its closing tag (no "</" inside), the tag with it
+RAW_TEXT = r"/([^<]|<[^\/])*/"
 RAW_ARGUMENT = r"/([^<]|<[^\/])*\n<\/parameter>\n/"
 
 # For a template without tools: the hermes format, which many instruction-tuned models have seen.
@@ -227,16 +228,23 @@ class Tools:
 
     def xml_rules(self, names: list) -> str:
         """Lark rules of an XML call to one of `names` (rule `function`): its arguments in the schema's
-        order, the required ones always, a string one as raw text, any other as JSON of its schema."""
+        order, the required ones always, a string one as raw text (held to its length and pattern),
+        any other as JSON of its schema."""
         rules = ["function: " + " | ".join(f"function{k}" for k in range(len(names)))]
         for k, name in enumerate(names):
             schema = self.schemas[name]
             required, parts = set(schema.get("required") or ()), []
             for j, (key, sub) in enumerate((schema.get("properties") or {}).items()):
                 end = "\n</parameter>\n"
-                value = (f'%json {json.dumps(sub, ensure_ascii=False)} {json.dumps(end)}' if not is_string(sub) else
-                         "(" + " | ".join(json.dumps(v + end, ensure_ascii=False) for v in sub["enum"]) + ")"
-                         if "enum" in sub else RAW_ARGUMENT)  # (a string's length or pattern is not held)
+                if not is_string(sub):
+                    value = f'%json {json.dumps(sub, ensure_ascii=False)} {json.dumps(end)}'
+                elif "enum" in sub:
+                    value = "(" + " | ".join(json.dumps(v + end, ensure_ascii=False) for v in sub["enum"]) + ")"
+                elif bounds := string_bounds(sub):  # the raw text within its bounds, the closing tag after it
+                    value = f"VALUE{k}_{j}"
+                    rules += [f"{value}: TEXT{k}_{j} {json.dumps(end)}", f"TEXT{k}_{j}: {RAW_TEXT} & {bounds}"]
+                else:
+                    value = RAW_ARGUMENT
                 rules.append(f"argument{k}_{j}: {json.dumps(f'<parameter={key}>' + chr(10))} {value}")
                 parts.append(f"argument{k}_{j}" + ("" if key in required else "?"))
             if not schema.get("properties") and schema.get("additionalProperties", True) is not False:
@@ -386,6 +394,17 @@ def is_string(schema: dict) -> bool:
     if kind is None and "enum" in schema:
         return all(isinstance(v, str) for v in schema["enum"])
     return kind == "string" or kind == ["string"]
+
+
+def string_bounds(schema: dict) -> str:
+    """A string argument's minLength, maxLength and pattern as Lark regexes that its whole text must
+    each match ("" where it has none)."""
+    bounds = []
+    if "minLength" in schema or "maxLength" in schema:
+        bounds.append(f"/[\\s\\S]{{{schema.get('minLength', 0)},{schema.get('maxLength', '')}}}/")
+    if "pattern" in schema:
+        bounds.append(f"/{pattern_regex(schema['pattern'])}/")
+    return " & ".join(bounds)
 
 
 def hermes_call(name: str, arguments: dict) -> str:

@@ -312,10 +312,14 @@ def test_auto_grammar_holds_calls_after_the_tag(tiny):
 
 
 def test_auto_grammar_holds_xml_calls(tiny):
-    """The same for Qwen3.5's XML calls: arguments in the schema's order, a string one as free text up to
-    its closing tag, another as JSON of its schema; an optional one may be left out."""
+    """The same for Qwen3.5's XML calls: arguments in the schema's order, a string one as raw text up to
+    its closing tag, held to its length and pattern (JSON's: found anywhere unless anchored), another as
+    JSON of its schema; an optional one may be left out."""
     tokenizer = tokenizer_with(tiny[0], XML_TEMPLATE)
-    tools = Tools.read([PICK, COUNT, NOTE], "auto", True, tokenizer)
+    label = {"type": "function", "function": {"name": "label", "parameters": {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{2}\\d+$"}, "word": {"type": "string", "pattern": "ok",
+                                                                          "minLength": 3}}}}}
+    tools = Tools.read([PICK, COUNT, NOTE, label], "auto", True, tokenizer)
     accepted = functools.partial(lazy_grammar_accepts(tokenizer, tiny[1]), tools)
     pick = '\n<function=pick>\n<parameter=color>\nblue\n</parameter>\n<parameter=n>\n7\n</parameter>\n</function>\n'
     note = '\n<function=note>\n<parameter=text>\na < b\nc\n</parameter>\n</function>\n'
@@ -326,6 +330,15 @@ def test_auto_grammar_holds_xml_calls(tiny):
     assert not accepted('\n<function=pick>\n<parameter=n>\n7\n</parameter>\n')  # order, and color is required
     assert not accepted('\n<function=fly>\n')
     assert not accepted(pick + "</tool_call> and then")
+    assert accepted(note.replace("a < b\nc", "x" * 40) + "</tool_call>")
+    assert not accepted(note.replace("a < b\nc", "x" * 41))  # maxLength 40
+
+    def labelled(code=None, word=None):
+        args = [f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in (("code", code), ("word", word)) if v is not None]
+        return accepted("\n<function=label>\n" + "".join(args) + "</function>\n</tool_call>")
+    assert labelled("AB12") and labelled("AB1", "is ok") and labelled(word="ok!") and labelled()
+    assert not labelled("ab12") and not labelled("AB") and not labelled("xAB12")
+    assert not labelled(word="ok") and not labelled(word="nope")
 
 
 def test_auto_grammar_holds_bare_json_calls(tiny):
