@@ -88,6 +88,12 @@ class Harmony:
     def __init__(self, opened: bool = False):
         self.opened = opened
 
+    @staticmethod
+    def after_thinking(trigger: re.Pattern) -> re.Pattern:
+        """A tool call's trigger as it is: it is found in a message's header (tools.HARMONY_CALL), of
+        markers that no thought's text can hold."""
+        return trigger
+
     def split(self, text: str, final: bool = True) -> tuple:
         """(the analysis messages' text, None where there is none; the final and commentary
         messages' text, with each message to a recipient - a tool call - kept whole, from

@@ -17,7 +17,8 @@ How a model calls tools is what its chat template taught it:
 The calls are held to the tools' JSON schemas by a grammar (structured.py, llguidance): with
 `tool_choice` "required" or a named function the answer is calls from its first token; with
 "auto" the text is free, nothing masked, until the model writes `<tool_call>` (a bare JSON call:
-until the answer opens with `{"name"`), and from there each call must name a tool and match its
+until the answer opens with `{"name"`; harmony: until a message's header names `to=functions.`,
+forced or not, as its thinking comes first), and from there each call must name a tool and match its
 parameters (a lazy grammar, engine.py's grammar_trigger, as llama.cpp's server does it), so a call
 read back parses.
 
@@ -42,6 +43,9 @@ FUNCTION = "<function="  # (XML's call: <function=NAME> then <parameter=KEY>\nVA
 # Where a bare JSON call starts: an answer that opens with {"name" (or a list of such), the grammar
 # taking over at its brace (engine.py's grammar_trigger: a pattern's group).
 JSON_CALL = re.compile(r'^\s*((?:\[\s*)?\{\s*"name")')
+# Where a harmony call starts: a recipient `functions.NAME` in a message's header (after the role or
+# the channel; each marker is a special token, so no message's text can hold one).
+HARMONY_CALL = re.compile(r"(?:<\|start\|>assistant|<\|channel\|>[a-z]+) to=functions\.")
 # An XML string argument: raw text up to its closing tag (no "</" inside), the tag with it
 RAW_TEXT = r"/([^<]|<[^\/])*/"
 RAW_ARGUMENT = r"/([^<]|<[^\/])*\n<\/parameter>\n/"
@@ -196,9 +200,9 @@ class Tools:
         """-> (a Lark grammar for llguidance, or None where the answer is free; the text that starts
         it, or None where it holds from the first token): Request's grammar and grammar_trigger.
         answer_schema: response_format's, which an answer without calls follows."""
-        if self.style == HARMONY:  # its calls follow the thinking, in special tokens: read, not held
-            return None, None
         names = [self.choice] if self.forced and self.choice != "required" else list(self.schemas)
+        if self.style == HARMONY:  # a call is a message whose header names it: held from there, forced or not
+            return lark_grammar(self.harmony_rules(names)), HARMONY_CALL
         call, rules = f"%json {json.dumps(self.call_schema(names), ensure_ascii=False)}", ""
         if self.style == XML:
             call, rules = "function", self.xml_rules(names)
@@ -252,6 +256,16 @@ class Tools:
             head = json.dumps(f"{FUNCTION}{name}>\n")
             rules.append(f'function{k}: {head} {" ".join(parts)} "</function>"')
         return "\n" + "\n".join(rules)
+
+    def harmony_rules(self, names: list) -> str:
+        """A Lark grammar of a harmony call from its recipient's name on: the name (one of `names`),
+        the rest of its header (a channel, `<|constrain|>json`), the arguments as JSON of its schema.
+        The markers are special tokens, written as llguidance writes them."""
+        calls = [f"{json.dumps(name)} head <|message|> %json "
+                 + json.dumps({**self.schemas[name], "x-guidance": {"whitespace_pattern": WHITESPACE}},
+                              ensure_ascii=False) for name in names]
+        return ("start: " + " | ".join(calls) + "\nhead: WORDS? (<|channel|> WORDS)? (<|constrain|> WORDS)?"
+                "\nWORDS: /[ A-Za-z]{1,24}/")
 
     # -- reading the answer ------------------------------------------------------------------
 

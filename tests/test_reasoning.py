@@ -230,6 +230,42 @@ def test_harmony_answer_read_whole_and_streamed(text, expected, tmp_path):
     assert [c["function"]["name"] for c in last_calls] == [name for name, _ in expected[2]]
 
 
+def test_harmony_calls_held_from_their_header(tmp_path):
+    """A harmony call is held from its recipient on (tools.HARMONY_CALL finds it in a header, after the
+    role or the channel, never in a thought's text): the function's name, the rest of the header, and
+    arguments that follow its schema (on llguidance's matcher, token by token, the markers special
+    tokens); a named tool_choice allows that function alone."""
+    from structured import Constraint, TokenTable
+    from tools import HARMONY_CALL, Tools
+    path = harmony_checkpoint(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    table = TokenTable(tokenizer, load_model(path).config.vocab_size)
+    count = {"type": "function", "function": {"name": "count", "parameters": {
+        "type": "object", "properties": {"k": {"type": "integer", "maximum": 3}}, "required": ["k"]}}}
+
+    def accepted(tools, text):
+        grammar, trigger = tools.grammar()
+        match = trigger.search(text)
+        constraint = Constraint(table, grammar)
+        for t in tokenizer.encode(text[match.end():], bos=False):
+            if not constraint.allowed("cpu")[t]:
+                return False
+            constraint.take(t)
+        return constraint.complete
+    tools = Tools.read(WEATHER + [count], "auto", True, tokenizer)
+    named = Tools.read(WEATHER + [count], {"type": "function", "function": {"name": "count"}}, True, tokenizer)
+    calls = [text for text, (_, _, found) in HARMONY_ANSWERS if found]
+    assert len(calls) == 2 and all(accepted(tools, text) for text in calls)
+    assert not any(accepted(named, text) for text in calls)
+    weather = calls[0].replace("get_weather", "count").replace('{"city": "Paris"}', '{"k": 2}')
+    assert accepted(tools, weather) and accepted(named, weather) and not accepted(tools, weather.replace("2", "4"))
+    assert not accepted(tools, calls[0].replace("city", "town"))
+    assert not accepted(tools, calls[0].replace("get_weather", "fly"))
+    assert HARMONY_CALL.search("<|channel|>analysis<|message|>I could send to=functions.get_weather") is None
+    assert HARMONY_CALL.search("<|channel|>commentary to=functions.get_weather").end() == len(
+        "<|channel|>commentary to=functions.")
+
+
 @pytest.fixture(scope="module")
 def harmony_server(tmp_path_factory):
     yield from tiny_server(tmp_path_factory, "harmony", harmony_checkpoint)
@@ -260,3 +296,10 @@ def test_harmony_through_the_client(harmony_server):
         chunks = list(client.chat.completions.create(**kwargs, stream=True))
         assert "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks) == (thought or "")
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == content
+    # With tools the text is free until a call's header: the random model's answer is its own.
+    ids = tokenizer.encode_chat(question, tools=WEATHER)
+    out = generate(model, torch.tensor(ids), 16, eos_ids=tokenizer.eos_ids)[0, len(ids):].tolist()
+    out = out[:next((k for k, i in enumerate(out) if i in tokenizer.eos_ids), len(out))]
+    message = client.chat.completions.create(model="tiny", messages=question, tools=WEATHER, max_tokens=16,
+                                             temperature=0).choices[0].message
+    assert message.content == Harmony().split(tokenizer.decode(out))[1] and not message.tool_calls
