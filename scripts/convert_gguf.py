@@ -30,7 +30,7 @@ from scripts.convert_hf_checkpoint import (check_against_model, gated_delta_net,
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "olmo2", "exaone4",
                            "seed_oss", "glm4", "ernie4_5", "granite", "gpt-oss", "command-r", "cohere2", "glm4moe",
                            "dots1", "minimax-m2", "deepseek2", "qwen2moe", "olmoe", "granitemoe", "mistral3",
-                           "qwen3next", "qwen35", "qwen35moe")
+                           "qwen3next", "qwen35", "qwen35moe", "gemma4")
 # DeepSeek V3's routing (sigmoid, a selection bias): llama.cpp's default for these where the file names none
 SIGMOID_ROUTER = ("glm4moe", "dots1", "minimax-m2")
 GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
@@ -111,6 +111,25 @@ ARCH_WEIGHT_MAP = {"phi3": {"blk.{}.ffn_up.weight": "layers.{}.feed_forward.w13.
                                  ("ssm_dt.bias", "dt_bias"), ("ssm_conv1d.weight", "conv"),
                                  ("ssm_norm.weight", "norm_weight"), ("ssm_out.weight", "wo.weight"))}}
                       for arch in LINEAR_ATTENTION}}
+# Gemma 4: a scalar per layer; E2B / E4B's per-layer inputs; the 26B's experts beside the dense feed-forward
+# (gate and up fused as HF's), their router (its input norm's scale) and norms.
+ARCH_WEIGHT_MAP["gemma4"] = {
+    "blk.{}.layer_output_scale.weight": "layers.{}.layer_scale",
+    "per_layer_token_embd.weight": "per_layer_embeddings.weight",
+    "per_layer_model_proj.weight": "per_layer_projection.weight",
+    "per_layer_proj_norm.weight": "per_layer_norm.weight",
+    "blk.{}.inp_gate.weight": "layers.{}.per_layer_gate.weight",
+    "blk.{}.proj.weight": "layers.{}.per_layer_out.weight",
+    "blk.{}.post_norm.weight": "layers.{}.per_layer_out_norm.weight",
+    "blk.{}.ffn_gate_up_exps.weight": "layers.{}.experts.w13",
+    "blk.{}.ffn_down_exps.weight": "layers.{}.experts.w2",
+    "blk.{}.ffn_gate_inp.weight": "layers.{}.experts.gate.weight",
+    "blk.{}.ffn_gate_inp.scale": "layers.{}.experts.router_norm.weight",
+    "blk.{}.ffn_down_exps.scale": "layers.{}.experts.expert_scales",
+    "blk.{}.post_ffw_norm_1.weight": "layers.{}.post_mlp_norm.weight",
+    "blk.{}.pre_ffw_norm_2.weight": "layers.{}.experts_norm.weight",
+    "blk.{}.post_ffw_norm_2.weight": "layers.{}.post_experts_norm.weight",
+}
 ROPE_FREQS = "rope_freqs.weight"  # LLaMA 3.1+ stores its rope scaling as per-frequency divisors
 YARN_FIELDS = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow", "attention_factor": "yarn_attn_factor"}
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
@@ -191,7 +210,8 @@ def config_from_gguf(reader) -> ModelArgs:
     tensors = {t.name: t for t in reader.tensors}
     dim, n_head = get("embedding_length"), get("attention.head_count")
     n_local_heads = get("attention.head_count_kv", n_head)
-    if not isinstance(n_local_heads, int):
+    gemma4 = arch == "gemma4"  # (its shapes per kind of layer: gemma4_fields)
+    if not isinstance(n_local_heads, int) and not gemma4:
         raise ValueError(f"per-layer {arch}.attention.head_count_kv is not supported (one value for all layers)")
     if "token_embd.weight" not in tensors:
         raise ValueError("GGUF has no token_embd.weight tensor")
@@ -207,7 +227,7 @@ def config_from_gguf(reader) -> ModelArgs:
     dense = [i for i in range(n_layer) if f"blk.{i}.ffn_gate_inp.weight" not in tensors] if experts else []
     window = field(reader, f"{arch}.attention.sliding_window")
     local_layers = sliding_layers(reader, arch, n_layer) if window else None
-    rope_scaling = rope_scaling_from_gguf(reader, arch, tensors, rope_dim or head_dim, rope_base)
+    rope_scaling = None if gemma4 else rope_scaling_from_gguf(reader, arch, tensors, rope_dim or head_dim, rope_base)
     rope_local_base = None
     if arch == "gemma3":
         rope_local_base = float(field(reader, f"{arch}.rope.freq_base_swa", 10000.0))
@@ -236,7 +256,7 @@ def config_from_gguf(reader) -> ModelArgs:
     a = next(f"blk.{i}." for i in range(n_layer) if i not in linear_layers)  # an attention layer's tensors
     if gpt_oss and rope_scaling:  # its YaRN ramp is not rounded to whole dimensions (its HF config's truncate: false)
         rope_scaling["truncate"] = False
-    return ModelArgs(
+    args = dict(
         block_size=get("context_length"),
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ggml shapes are [cols, rows]
         n_layer=n_layer,
@@ -306,6 +326,38 @@ def config_from_gguf(reader) -> ModelArgs:
                 linear_value_dim=get("ssm.inner_size") // get("ssm.time_step_rank"),
                 linear_conv_kernel=get("ssm.conv_kernel"), attention_output_gate=True) if linear else {}),
     )
+    return ModelArgs(**{**args, **(gemma4_fields(reader, get, tensors, n_layer, local_layers) if gemma4 else {})})
+
+
+def gemma4_fields(reader, get, tensors: dict, n_layer: int, local_layers: list) -> dict:
+    """Gemma 4's fields where they differ from the other architectures': llama.cpp writes the global
+    layers' head size and key/value heads (and E2B's doubled feed-forward) per kind of layer, its
+    proportional RoPE as rope_freqs (1 where a pair turns, 1e30 where it stands still)."""
+    local = local_layers[0] if local_layers else 0
+    own = [i for i in range(n_layer - get("attention.shared_kv_layers", 0)) if i not in (local_layers or ())]
+    heads, widths = get("attention.head_count_kv"), get("feed_forward_length")
+    heads = heads if isinstance(heads, list) else [heads] * n_layer
+    widths = widths if isinstance(widths, list) else [widths]
+    keys_as_values = bool(own) and f"blk.{own[0]}.attn_v.weight" not in tensors
+    scaling = None
+    if ROPE_FREQS in tensors:
+        factors = dequantize(tensors[ROPE_FREQS])
+        turning = factors[factors < 1e10]
+        scaling = {"rope_type": "proportional", "partial_rotary_factor": len(turning) / len(factors),
+                   **({"factor": float(turning[0])} if len(turning) and turning[0] != 1.0 else {})}
+    per_layer = field(reader, "gemma4.embedding_length_per_layer_input") or None
+    experts = bool(field(reader, "gemma4.expert_count"))
+    return dict(
+        n_local_heads=heads[local], head_dim=get("attention.key_length_swa"),
+        global_head_dim=get("attention.key_length"), global_kv_heads=heads[own[0]] if keys_as_values else None,
+        global_values_are_keys=keys_as_values, intermediate_size=widths[0], double_wide_mlp=widths[-1] > widths[0],
+        rope_scaling=scaling, rope_dim=get("rope.dimension_count_swa"),
+        rope_local_base=float(get("rope.freq_base_swa", 10000.0)),
+        kv_shared_layers=get("attention.shared_kv_layers", 0), per_layer_input_size=per_layer,
+        per_layer_vocab_size=int(tensors["per_layer_token_embd.weight"].shape[1]) if per_layer else None,
+        experts_beside_mlp=experts, router_input_norm=experts, value_norm=True, layer_scale=True,
+        norm_offset=0.0, block_norms="sandwich", hidden_act="gelu_tanh", embedding_scale=get("embedding_length") ** 0.5,
+        attention_scale=1.0, qk_norm="head")
 
 
 def gemma_attention_scale(arch: str, n_layer: int, dim: int, n_head: int, head_dim: int) -> float:
@@ -471,15 +523,26 @@ def convert_tensors(reader, config: ModelArgs, dtype=None) -> dict:
             continue
         if f + "w13.weight" in state:  # Phi-3's fused gate and up
             state[f + "w1.weight"], state[f + "w3.weight"] = split_gate_up(state.pop(f + "w13.weight"))
+        e = f"layers.{i}.experts."
+        if e + "w13" in state:  # Gemma 4's experts beside the feed-forward: HF's fused [E, 2I, D]
+            state[e + "w1"], state[e + "w3"] = (w.contiguous() for w in state.pop(e + "w13").chunk(2, dim=1))
+            # its router's input scale times 1 / sqrt(dim), as transformers (and llama.cpp's graph) apply it
+            state[e + "router_norm.weight"] = state[e + "router_norm.weight"] * config.dim ** -0.5
         if p + "wqkv.weight" in state:
             continue
-        if not all(p + f"w{x}.weight" in state for x in "qkv"):
+        # (Gemma 4: a layer on an earlier one's cache has queries alone, a global one's values may be its keys)
+        names = "q" if config.kv_source(i) is not None else "qk" if config.attention_shape(i)[2] else "qkv"
+        if not all(p + f"w{x}.weight" in state for x in names):
             raise ValueError(f"layer {i}: q/k/v weights are incomplete in the GGUF file")
-        for x, heads in (("q", config.n_head), ("k", config.n_local_heads)):
+        head_dim, kv_heads, _ = config.attention_shape(i)
+        for x, heads in (("q", config.n_head), ("k", kv_heads))[:len(names)]:
             rows = state[p + f"w{x}.weight"].shape[0]
-            if rows != heads * config.head_dim:
+            if rows != heads * head_dim:
                 raise ValueError(f"blk.{i}.attn_{x}.weight has {rows} rows but the metadata says {heads} heads of "
-                                 f"{config.head_dim}: the GGUF file is inconsistent")
+                                 f"{head_dim}: the GGUF file is inconsistent")
+        if names != "qkv":
+            state[p + "wqkv.weight"] = torch.cat([state.pop(p + f"w{x}.weight") for x in names])
+            continue
         q, k = state.pop(p + "wq.weight"), state.pop(p + "wk.weight")
         if arch in PERMUTED:
             q, k = unpermute(q, config.n_head), unpermute(k, config.n_local_heads)
@@ -565,9 +628,12 @@ def tokenizer_from_gguf(reader) -> dict:
                                 field(reader, "tokenizer.ggml.unknown_token_id"),
                                 field(reader, "tokenizer.ggml.add_space_prefix", True))
         add_bos = field(reader, "tokenizer.ggml.add_bos_token", True)  # llama.cpp's default for these
+    elif kind == "gemma4":
+        tok = sentencepiece_style_bpe(tokens, field(reader, "tokenizer.ggml.merges") or [])
+        add_bos = True  # (llama.cpp adds it to a gemma4 vocabulary whatever the file says)
     else:
         raise ValueError(f"unsupported GGUF tokenizer {kind!r}; supported: gpt2 (byte-level BPE), "
-                         "llama (SentencePiece)")
+                         "llama (SentencePiece), gemma4 (BPE on SentencePiece's pieces)")
     add_special_tokens(tok, tokens, types)
 
     def token(key):
@@ -637,6 +703,19 @@ def sentencepiece_bpe(tokens: list, scores: list, types: list, unk_id, add_space
     if add_space_prefix:
         steps.append(decoders.Strip(content=" ", left=1))
     tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+def sentencepiece_style_bpe(tokens: list, merges: list):
+    """Gemma 4's: BPE with its merges over the text with spaces as ▁ (no prefix), split only at
+    runs of newlines (llama.cpp's gemma4 pre-tokenizer), bytes it lacks as <0xXX> pieces."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False,
+                               byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[^\n]+|\n+"), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     return tok
 
 

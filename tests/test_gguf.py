@@ -385,6 +385,52 @@ def test_llama_cpp_converter_output_matches_transformers(case, default_model, tm
         torch.testing.assert_close(our_logits(load_model(path), ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
 
 
+def save_gemma_tokenizer(hf_dir):
+    """A tiny tokenizer of Gemma's kind (BPE on the text with spaces as ▁, bytes it lacks as <0xXX>
+    pieces, <bos> first), trained on the tests' text: llama.cpp's Gemma 4 converter wants one."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+    from conftest import TOKENIZER_TEXT
+    tok = Tokenizer(models.BPE(byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(TOKENIZER_TEXT, trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+                                                                show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>", pad_token="<pad>",
+                                 unk_token="<unk>")
+    hf.save_pretrained(hf_dir)
+    return hf
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_moe", "gemma4_e2b"])
+def test_llama_cpp_gemma4_matches_transformers(family, tmp_path):
+    """Gemma 4 as llama.cpp's converter writes it (head sizes and key/value heads per kind of layer, the
+    global layers' values as their keys, proportional RoPE as rope_freqs, E2B's per-layer inputs and
+    shared caches, the 26B's experts beside the feed-forward; its gemma4 tokenizer): transformers' logits,
+    and its tokenizer's ids and text."""
+    from scripts.bench import DEFAULT_LLAMACPP_DIR
+    script = DEFAULT_LLAMACPP_DIR / "src/convert_hf_to_gguf.py"
+    if not script.is_file():
+        pytest.skip(f"llama.cpp is not at {DEFAULT_LLAMACPP_DIR} (scripts/bench_llamacpp.sh puts it there)")
+    theirs = save_gemma_tokenizer(tmp_path / "hf")
+    hf = make_hf_model(family, seed=5, vocab_size=len(theirs))
+    hf.save_pretrained(tmp_path / "hf")
+    subprocess.run([sys.executable, str(script), str(tmp_path / "hf"), "--outfile", str(tmp_path / "model.gguf"),
+                    "--outtype", "f32"], check=True, capture_output=True)
+    path = convert_gguf(tmp_path / "model.gguf", tmp_path / "gguf_route")
+    # (E2B's per-layer embeddings cover the first 256 ids here, as its vocab_size_per_layer_input says)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(our_logits(load_model(path), ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+    ours = load_tokenizer(tmp_path / "gguf_route")
+    for text in ["Hello world, the cat\n\nsat.", "  two  spaces\n", "\u00e9moji \U0001f999 ok", "The quick fox."]:
+        assert ours.encode(text) == theirs(text)["input_ids"], text
+        assert ours.decode(ours.encode(text)) == text
+
+
 # Bits per weight of each block type: the dequantized value lies within one quantization step,
 # (block max |w|) * 2 / (2^bits - 1), of the original (rounding gives half a step; fp16 scales and
 # Q4_0's asymmetric range [-8, 7] add less than the other half).
@@ -516,6 +562,24 @@ def test_gemma_sentencepiece_vocab_without_space_prefix(tmp_path):
         ids = ours.encode(text)
         assert ids == [sp.bos_id()] + sp.encode(text), text
         assert ours.decode(ids) == sp.decode(ids) == text
+
+
+def test_gemma4_vocab_round_trip(tmp_path):
+    """A gemma4 vocabulary (BPE with merges over SentencePiece's pieces, as llama.cpp's Gemma 4 converter
+    writes it): the ids and text of the tokenizer it was made from."""
+    theirs = save_gemma_tokenizer(tmp_path / "hf")
+    spec = json.loads(theirs.backend_tokenizer.to_str())["model"]
+    tokens = sorted(spec["vocab"], key=spec["vocab"].get)
+    types = [3 if t in theirs.all_special_tokens else 6 if t.startswith("<0x") else 1 for t in tokens]
+    vocab = dict(model="gemma4", tokens=tokens, types=types, merges=[" ".join(m) for m in spec["merges"]],
+                 bos=theirs.bos_token_id, eos=theirs.eos_token_id, unk=theirs.unk_token_id)
+    config = ModelArgs(block_size=64, vocab_size=len(tokens), n_layer=1, n_head=2, dim=32, intermediate_size=64)
+    ours = load_tokenizer(convert_gguf(write_gguf(tmp_path / "g.gguf", random_brisk_state(config), config,
+                                                  vocab=vocab), tmp_path / "out").parent)
+    for text in [VARIED_TEXT, "Hello world", " leading space", "The quick brown fox\n\n\nx"]:
+        assert ours.encode(text) == theirs(text)["input_ids"], text
+        assert ours.decode(ours.encode(text)) == text
+    assert ours.bos_id == theirs.bos_token_id and ours.add_bos
 
 
 def test_qwen3_chat_template_and_turn_end(tmp_path):
