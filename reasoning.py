@@ -11,6 +11,9 @@ while thinking has thought only).
     thinking = Reasoning.of(tokenizer, prompt_ids)        # None: the model does not think
     reasoning, content = thinking.split(answer_text)
 
+Gemma 4 thinks in a channel of its own, `<|channel>thought ...<channel|>` (its template writes
+`<channel|>`): the same reading with those tags.
+
 OpenAI's harmony format (gpt-oss) writes its answer as messages on channels instead
 (`Harmony`): the `analysis` channel is the thinking, `final` the answer, and a message to a
 recipient (`to=functions.NAME`) a tool call, which tools.py reads.
@@ -18,6 +21,7 @@ recipient (`to=functions.NAME`) a tool call, which tools.py reads.
 import re
 
 OPEN, CLOSE = "<think>", "</think>"
+THOUGHT_CHANNEL = ("<|channel>thought", "<channel|>")  # Gemma 4's (tokenizer.py keeps these markers)
 
 
 def held_tail(text: str, tag: str) -> int:
@@ -29,17 +33,22 @@ def held_tail(text: str, tag: str) -> int:
 
 
 class Reasoning:
-    def __init__(self, opened: bool):
-        self.opened = opened  # the prompt ends inside <think>: the answer starts thinking
+    def __init__(self, opened: bool, tags: tuple = (OPEN, CLOSE), closed: bool = False):
+        self.opened = opened  # the prompt ends inside the opening tag: the answer starts thinking
+        self.closed = closed  # the prompt ends with an empty thought (thinking switched off): it answers at once
+        self.open, self.close = tags
 
     @classmethod
     def of(cls, tokenizer, prompt: list):
         """How this model's answers think: a Reasoning, a Harmony, or None."""
-        if tokenizer.chat_template and CHANNEL in tokenizer.chat_template:
+        template = tokenizer.chat_template or ""
+        if CHANNEL in template:
             return Harmony(opened=tokenizer.decode(prompt[-16:]).endswith(THINKING))
-        if not tokenizer.chat_template or CLOSE not in tokenizer.chat_template:
+        tags = next((tags for tags in ((OPEN, CLOSE), THOUGHT_CHANNEL) if tags[1] in template), None)
+        if tags is None:
             return None
-        return cls(opened=tokenizer.decode(prompt[-8:]).rstrip().endswith(OPEN))
+        tail = tokenizer.decode(prompt[-8:]).rstrip()
+        return cls(opened=tail.endswith(tags[0]), tags=tags, closed=tail.endswith(tags[1]))
 
     def after_thinking(self, trigger) -> re.Pattern:
         """A lazy grammar's trigger (engine.py) found only after the thinking: a tool call that the
@@ -50,9 +59,10 @@ class Reasoning:
         else:
             assert trigger.pattern.startswith("^"), "a pattern trigger holds at the answer's start"
             rest = trigger.pattern[1:]
+        start, end = re.escape(self.open), re.escape(self.close)
         if self.opened:
-            return re.compile(f"{CLOSE}{rest}", re.S)
-        return re.compile(rf"^(?:\s*{OPEN}.*?{CLOSE}|(?!\s*{OPEN})){rest}", re.S)
+            return re.compile(f"{end}{rest}", re.S)
+        return re.compile(rf"^(?:\s*{start}.*?{end}|(?!\s*{start})){rest}", re.S)
 
     def split(self, text: str, final: bool = True) -> tuple:
         """An answer -> (its thinking, None where it has none; the rest). final False: the answer so
@@ -61,16 +71,16 @@ class Reasoning:
         body = text
         if not self.opened:
             head = text.lstrip()
-            if not final and len(head) < len(OPEN) and OPEN.startswith(head):
+            if not final and len(head) < len(self.open) and self.open.startswith(head):
                 return None, ""  # may still open the thinking
-            if not head.startswith(OPEN):
+            if not head.startswith(self.open):
                 return None, text
-            body = head[len(OPEN):]
-        end = body.find(CLOSE)
+            body = head[len(self.open):]
+        end = body.find(self.close)
         if end >= 0:
-            return body[:end].strip(), body[end + len(CLOSE):].lstrip()
+            return body[:end].strip(), body[end + len(self.close):].lstrip()
         if not final:
-            body = body[:len(body) - held_tail(body, CLOSE)].rstrip()
+            body = body[:len(body) - held_tail(body, self.close)].rstrip()
         return body.strip(), ""
 
 

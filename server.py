@@ -143,7 +143,7 @@ def answer_grammar(params: dict, tools: Optional[Tools], thinking: Optional[Reas
     try:
         if tools is None:
             return (json_grammar(schema) if schema is not None else None), None
-        grammar, trigger = tools.grammar(schema)
+        grammar, trigger = tools.grammar(schema, thinks=isinstance(thinking, Reasoning) and not thinking.closed)
     except ValueError as e:
         raise APIError(400, str(e), param="tools" if tools is not None else "response_format") from None
     return grammar, thinking.after_thinking(trigger) if thinking is not None and trigger is not None else trigger

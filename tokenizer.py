@@ -17,6 +17,8 @@ from typing import Optional
 # decoded text keeps them where the chat template is harmony's (it writes <|channel|>), so the
 # answer's reader (reasoning.Harmony) can tell its thinking from its answer and its tool calls.
 HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>")
+# Gemma 4's (its template writes <|tool_call>): a thought channel, tool calls and their strings' quotes.
+GEMMA4_MARKERS = ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>')
 
 
 class Tokenizer:
@@ -130,8 +132,10 @@ class HFTokenizer(Tokenizer):
         self._load_special(checkpoint_dir, default_add_bos=False)
         if "add_bos_token" not in read_json(checkpoint_dir / "tokenizer_config.json"):
             self.add_bos = self.bos_id is not None and with_special[:1] == [self.bos_id]
-        harmony = self.chat_template is not None and "<|channel|>" in self.chat_template
-        self.kept = {self.token_id(m): m for m in HARMONY_MARKERS if harmony and self.token_id(m) is not None}
+        template = self.chat_template or ""
+        markers = (HARMONY_MARKERS if "<|channel|>" in template else GEMMA4_MARKERS if "<|tool_call>" in template
+                   else ())
+        self.kept = {self.token_id(m): m for m in markers if self.token_id(m) is not None}
 
     def token_id(self, token: str) -> Optional[int]:
         return self.tok.token_to_id(token)

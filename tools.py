@@ -9,18 +9,20 @@ How a model calls tools is what its chat template taught it:
   </tool_call>` blocks ("hermes", wherever the template writes that tag), the same blocks holding
   `<function=NAME>` and a `<parameter=KEY>` element per argument ("xml": Qwen3.5, Qwen3-Coder, where
   the template writes `<function=`; a string argument as its raw text, others as JSON), or else one
-  bare JSON object (Llama 3.x's `{"name": ..., "parameters": ...}`), or, in OpenAI's harmony format
-  (gpt-oss), a message to the recipient `functions.NAME` whose text is the arguments;
-- a template that knows no tools (SmolLM2, Gemma, ...) gets them in a system message that asks for
+  bare JSON object (Llama 3.x's `{"name": ..., "parameters": ...}`), Gemma 4's special tokens
+  (`<|tool_call>call:NAME{key:value,...}<tool_call|>`, strings between `<|"|>` quotes, where the
+  template writes `<|tool_call>`), or, in OpenAI's harmony format (gpt-oss), a message to the
+  recipient `functions.NAME` whose text is the arguments;
+- a template that knows no tools (SmolLM2, Gemma 2 / 3, ...) gets them in a system message that asks for
   the hermes format, its assistant calls as that text and the results as user turns.
 
 The calls are held to the tools' JSON schemas by a grammar (structured.py, llguidance): with
 `tool_choice` "required" or a named function the answer is calls from its first token; with
-"auto" the text is free, nothing masked, until the model writes `<tool_call>` (a bare JSON call:
-until the answer opens with `{"name"`; harmony: until a message's header names `to=functions.`,
-forced or not, as its thinking comes first), and from there each call must name a tool and match its
-parameters (a lazy grammar, engine.py's grammar_trigger, as llama.cpp's server does it), so a call
-read back parses.
+"auto" the text is free, nothing masked, until the model writes `<tool_call>` (Gemma 4's
+`<|tool_call>`; a bare JSON call: until the answer opens with `{"name"`; harmony: until a message's
+header names `to=functions.`, forced or not, as its thinking comes first), and from there each call
+must name a tool and match its parameters (a lazy grammar, engine.py's grammar_trigger, as
+llama.cpp's server does it), so a call read back parses.
 
     tools = Tools.read(body["tools"], body.get("tool_choice"), True, tokenizer)
     ids = tokenizer.encode_chat(tools.messages(messages), tools=tools.template_tools)
@@ -37,9 +39,22 @@ from typing import Optional
 from reasoning import CHANNEL, MESSAGE, START
 from structured import WHITESPACE, lark_grammar, pattern_regex
 
-HERMES, XML, JSON, HARMONY = "hermes", "xml", "json", "harmony"
+HERMES, XML, JSON, HARMONY, GEMMA4 = "hermes", "xml", "json", "harmony", "gemma4"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION = "<function="  # (XML's call: <function=NAME> then <parameter=KEY>\nVALUE\n</parameter> each)
+# Gemma 4's call, in special tokens: <|tool_call>call:NAME{key:value,...}<tool_call|>, its values JSON's
+# but for strings between <|"|> quotes and bare object keys (tokenizer.py keeps these markers)
+CALL_OPEN, CALL_CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+GEMMA_SCALAR = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null")
+# Any Gemma 4 value, for an argument whose schema the grammar does not spell out (as llama.cpp holds them all)
+GEMMA_VALUE = """
+gvalue: gstring | gdict | garray | GSCALAR
+gstring: <|"|> GTEXT? <|"|>
+gdict: "{" (GKEY ":" gvalue ("," GKEY ":" gvalue)*)? "}"
+garray: "[" (gvalue ("," gvalue)*)? "]"
+GKEY: /[^:{}\[\],<]+/
+GTEXT: /[\\s\\S]+/
+GSCALAR: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?|true|false|null/"""
 # Where a bare JSON call starts: an answer that opens with {"name" (or a list of such), the grammar
 # taking over at its brace (engine.py's grammar_trigger: a pattern's group).
 JSON_CALL = re.compile(r'^\s*((?:\[\s*)?\{\s*"name")')
@@ -156,6 +171,7 @@ class Tools:
                              "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
         native = tokenizer.chat_template_takes("tools")
         style = (HARMONY if native and CHANNEL in tokenizer.chat_template else
+                 GEMMA4 if native and CALL_OPEN in tokenizer.chat_template else
                  XML if native and FUNCTION in tokenizer.chat_template else
                  HERMES if not native or OPEN in tokenizer.chat_template else JSON)
         key = "parameters" if style == JSON and '"parameters"' in tokenizer.chat_template else "arguments"
@@ -196,13 +212,22 @@ class Tools:
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         return {**schema, "x-guidance": {"whitespace_pattern": WHITESPACE}}
 
-    def grammar(self, answer_schema: Optional[dict] = None) -> tuple:
+    def grammar(self, answer_schema: Optional[dict] = None, thinks: bool = False) -> tuple:
         """-> (a Lark grammar for llguidance, or None where the answer is free; the text that starts
         it, or None where it holds from the first token): Request's grammar and grammar_trigger.
-        answer_schema: response_format's, which an answer without calls follows."""
+        answer_schema: response_format's, which an answer without calls follows; thinks: the answer
+        may think first (reasoning.py), which a forced Gemma 4 call lets it do."""
         names = [self.choice] if self.forced and self.choice != "required" else list(self.schemas)
         if self.style == HARMONY:  # a call is a message whose header names it: held from there, forced or not
             return lark_grammar(self.harmony_rules(names)), HARMONY_CALL
+        if self.style == GEMMA4:
+            many = self.parallel and self.choice in ("auto", "required")
+            calls = f"call{' (<|tool_call> call)*' if many else ''}\n{self.gemma4_rules(names)}"
+            if self.forced:  # its thought channel where it thinks, then calls
+                thought, text = ('(<|channel> "thought" THOUGHT <channel|>)? ', "\nTHOUGHT: /[\\s\\S]*/") \
+                    if thinks else ("", "")
+                return lark_grammar(f"start: {thought}<|tool_call> {calls}{text}"), None
+            return lark_grammar(f"start: {calls}"), CALL_OPEN  # held from <|tool_call> on
         call, rules = f"%json {json.dumps(self.call_schema(names), ensure_ascii=False)}", ""
         if self.style == XML:
             call, rules = "function", self.xml_rules(names)
@@ -267,13 +292,44 @@ class Tools:
         return ("start: " + " | ".join(calls) + "\nhead: WORDS? (<|channel|> WORDS)? (<|constrain|> WORDS)?"
                 "\nWORDS: /[ A-Za-z]{1,24}/")
 
+    def gemma4_rules(self, names: list) -> str:
+        """Lark rules of a Gemma 4 call (rule `call`, after <|tool_call>) to one of `names`: its arguments
+        by name (as its template writes them), the required ones always; a string as text between
+        quotes (held to its enum, length and pattern), a number, boolean or null as JSON of its schema,
+        anything else as any Gemma 4 value."""
+        rules = ["call: (" + " | ".join(f"function{k}" for k in range(len(names))) + ") <tool_call|>"]
+        for k, name in enumerate(names):
+            schema, items = self.schemas[name], []
+            required = set(schema.get("required") or ())
+            for j, (key, sub) in enumerate(sorted((schema.get("properties") or {}).items())):
+                if is_string(sub):  # (the quotes are special tokens: no text runs into them)
+                    if "enum" in sub:
+                        text = " | ".join(json.dumps(v, ensure_ascii=False) for v in sub["enum"])
+                    elif bounds := string_bounds(sub):
+                        text = f"TEXT{k}_{j}"
+                        rules.append(f"{text}: /[\\s\\S]*/ & {bounds}")
+                    else:
+                        text = "GTEXT?"
+                    value = f"<|\"|> ({text}) <|\"|>"
+                elif sub.get("type") in ("number", "integer", "boolean", "null") or "const" in sub or \
+                        "enum" in sub and all(not isinstance(v, (str, list, dict)) for v in sub["enum"]):
+                    value = f"%json {json.dumps(sub, ensure_ascii=False)}"
+                else:
+                    value = "gvalue"
+                rules.append(f"argument{k}_{j}: {json.dumps(key + ':')} {value}")
+                items.append((f"argument{k}_{j}", key in required))
+            if not schema.get("properties") and schema.get("additionalProperties", True) is not False:
+                items.append(('GKEY ":" gvalue ("," GKEY ":" gvalue)*', False))  # any arguments
+            rules.append(f'function{k}: {json.dumps(f"call:{name}{{")} {in_order(items) or ""} "}}"')
+        return "\n".join(rules) + GEMMA_VALUE
+
     # -- reading the answer ------------------------------------------------------------------
 
     def parse(self, text: str) -> tuple:
         """An answer -> (its text outside the calls, the calls as OpenAI's tool_calls entries).
         A call that does not parse or names no tool leaves the whole answer as text."""
-        found = (self._hermes(text) if self.style in (HERMES, XML) else self._harmony(text) if self.style == HARMONY
-                 else self._json(text))
+        found = (self._tagged(text) if self.style in (HERMES, XML, GEMMA4) else self._harmony(text)
+                 if self.style == HARMONY else self._json(text))
         if found is None:
             return text, []
         outside, raw = found
@@ -287,19 +343,21 @@ class Tools:
             calls = calls[:1]
         return outside, calls
 
-    def _hermes(self, text: str) -> Optional[tuple]:
+    def _tagged(self, text: str) -> Optional[tuple]:
+        """Calls between tags: hermes' JSON or Qwen3.5's XML in <tool_call>, Gemma 4's in <|tool_call>."""
+        opening, closing = (CALL_OPEN, CALL_CLOSE) if self.style == GEMMA4 else (OPEN, CLOSE)
+        read = {HERMES: json.loads, XML: self._xml_call, GEMMA4: gemma_call}[self.style]
         blocks, outside, at = [], [], 0
-        while (i := text.find(OPEN, at)) >= 0:
+        while (i := text.find(opening, at)) >= 0:
             outside.append(text[at:i])
-            j = text.find(CLOSE, i)
+            j = text.find(closing, i)
             try:
-                body = text[i + len(OPEN): j if j >= 0 else len(text)]
-                blocks.append(self._xml_call(body) if self.style == XML else json.loads(body))
-            except json.JSONDecodeError:
+                blocks.append(read(text[i + len(opening): j if j >= 0 else len(text)]))
+            except ValueError:  # (json's errors are ValueErrors too)
                 if j >= 0:
                     return None
                 # An unclosed call that does not parse was cut off (max_tokens): the calls before it stand.
-            at = len(text) if j < 0 else j + len(CLOSE)
+            at = len(text) if j < 0 else j + len(closing)
         if not blocks:
             return None
         outside.append(text[at:])
@@ -381,8 +439,8 @@ class ToolStream:
         """How much of the answer is known to be text, not a call."""
         if self.tools.forced:
             return 0
-        if self.tools.style == HARMONY:  # a call is a message from <|start|> on, a token of its own
-            i = self.text.find(START, self.shown)
+        if self.tools.style in (HARMONY, GEMMA4):  # a call opens with a token of its own
+            i = self.text.find(START if self.tools.style == HARMONY else CALL_OPEN, self.shown)
             return len(self.text) if i < 0 else i
         if self.tools.style == JSON:  # a call is the whole answer: its first character tells
             head = self.text.lstrip()
@@ -419,6 +477,63 @@ def string_bounds(schema: dict) -> str:
     if "pattern" in schema:
         bounds.append(f"/{pattern_regex(schema['pattern'])}/")
     return " & ".join(bounds)
+
+
+def in_order(items: list) -> Optional[str]:
+    """A Lark expression of (item, required) pairs in their order, joined by commas, the optional
+    ones left out or not (None: nothing to write)."""
+    if not items:
+        return None
+    (item, required), rest = items[0], items[1:]
+    after = " ".join(f'("," {x})' + ("" if r else "?") for x, r in rest)
+    written = f"{item} {after}".strip()
+    if required:
+        return written
+    skipped = in_order(rest)
+    return f"({written} | {skipped})" if skipped else f"({written})?"
+
+
+def gemma_call(body: str) -> dict:
+    """Gemma 4's `call:NAME{...}` -> {"name", "arguments"}; ValueError where it is no such call."""
+    call = re.match(r"\s*call:([^{\s]+)(?=\{)", body)
+    if call is None:
+        raise ValueError("not a Gemma 4 tool call")
+    arguments, end = gemma_value(body, call.end())
+    if body[end:].strip() or not isinstance(arguments, dict):
+        raise ValueError("not a Gemma 4 tool call")
+    return {"name": call[1], "arguments": arguments}
+
+
+def gemma_value(text: str, at: int = 0) -> tuple:
+    """Gemma 4's value at text[at:] -> (the value, where it ends). ValueError where it is none."""
+    while at < len(text) and text[at].isspace():
+        at += 1
+    if text.startswith(QUOTE, at):
+        end = text.find(QUOTE, at + len(QUOTE))
+        if end < 0:
+            raise ValueError("an unclosed string")
+        return text[at + len(QUOTE):end], end + len(QUOTE)
+    if text.startswith(("{", "["), at):
+        closing, items, at = "}" if text[at] == "{" else "]", [], at + 1
+        while True:
+            while at < len(text) and text[at] in " \n,":
+                at += 1
+            if text.startswith(closing, at):
+                return (dict(items) if closing == "}" else items), at + 1
+            if closing == "}":
+                colon = text.find(":", at)
+                if colon < 0:
+                    raise ValueError("a key without a value")
+                key = text[at:colon].strip()
+                value, at = gemma_value(text, colon + 1)
+                items.append((key[len(QUOTE):-len(QUOTE)] if key.startswith(QUOTE) else key, value))
+            else:
+                value, at = gemma_value(text, at)
+                items.append(value)
+    scalar = GEMMA_SCALAR.match(text, at)
+    if scalar is None:
+        raise ValueError(f"no value at {text[at:at + 20]!r}")
+    return json.loads(scalar.group()), scalar.end()
 
 
 def hermes_call(name: str, arguments: dict) -> str:

@@ -9,7 +9,7 @@ import torch
 from conftest import chat_checkpoint
 from decode import generate
 from load import load_model
-from reasoning import Reasoning, ReasoningStream
+from reasoning import THOUGHT_CHANNEL, Reasoning, ReasoningStream
 from tokenizer import load_tokenizer
 from tools import JSON_CALL
 
@@ -28,13 +28,20 @@ ANSWERS = [  # (the prompt opened the thinking, answer) -> (thinking, content)
     (False, "<thinking> is not the tag", (None, "<thinking> is not the tag")),
     (True, "no end", ("no end", "")),
 ]
+# Gemma 4's thought channel (its markers special tokens, kept in the decoded text)
+GEMMA4_ANSWERS = [
+    (False, "<|channel>thought\nTwo and two.<channel|>It is 4.", ("Two and two.", "It is 4.")),
+    (False, "It is 4.", (None, "It is 4.")),
+    (False, "<|channel>thought\ncut off", ("cut off", "")),
+]
 
 
-@pytest.mark.parametrize("opened,text,expected", ANSWERS, ids=range(len(ANSWERS)))
-def test_split_and_stream(opened, text, expected):
+@pytest.mark.parametrize("opened,text,expected,tags", [(*a, None) for a in ANSWERS] +
+                         [(*a, THOUGHT_CHANNEL) for a in GEMMA4_ANSWERS], ids=range(len(ANSWERS) + len(GEMMA4_ANSWERS)))
+def test_split_and_stream(opened, text, expected, tags):
     """The split of whole answers, and the same answers streamed in pieces of 1, 2 and 5
     characters: the pieces of thinking and of answer add up to the whole answer's split."""
-    reasoning = Reasoning(opened)
+    reasoning = Reasoning(opened) if tags is None else Reasoning(opened, tags)
     assert reasoning.split(text) == expected
     for size in (1, 2, 5):
         stream = ReasoningStream(reasoning)

@@ -68,6 +68,26 @@ VALUE
 {% endif %}
 {%- endfor %}{% if add_generation_prompt %}assistant:{% endif %}"""
 
+# Gemma 4's way, in special tokens: <|tool_call>call:NAME{key:value,...}<tool_call|>, strings between <|"|>
+# quotes, keys bare; results as <|tool_response> blocks; its thought channel closed unless it thinks.
+GEMMA4_TEMPLATE = (
+    "{% macro arg(v) %}{% if v is string %}<|\"|>{{ v }}<|\"|>{% elif v is mapping %}{{ '{' }}"
+    "{% for k, x in v | dictsort %}{{ k }}:{{ arg(x) }}{% if not loop.last %},{% endif %}{% endfor %}}"
+    "{% elif v is sequence %}[{% for x in v %}{{ arg(x) }}{% if not loop.last %},{% endif %}{% endfor %}]"
+    "{% else %}{{ v | tojson }}{% endif %}{% endmacro %}"
+    "{% if tools %}<|turn>system\n{% for t in tools %}<|tool>declaration:{{ t.function.name }}"
+    "{description:<|\"|>{{ t.function.description }}<|\"|>}<tool|>{% endfor %}"
+    "<turn|>\n{% endif %}{% for m in messages %}{% if m.role == 'tool' %}"
+    "<|tool_response>response:{{ m.name }}{value:<|\"|>{{ m.content }}<|\"|>}<tool_response|>"
+    "{% else %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+    "{% for c in m.tool_calls or [] %}<|tool_call>call:{{ c.function.name }}{{ '{' }}"
+    "{% for k, v in c.function.arguments | dictsort %}{{ k }}:{{ arg(v) }}{% if not loop.last %},{% endif %}"
+    "{% endfor %}}<tool_call|>{% endfor %}"
+    "{{ m.content or '' }}<turn|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|turn>model\n"
+    "{% if not enable_thinking | default(false) %}<|channel>thought\n<channel|>{% endif %}{% endif %}")
+GEMMA4_MARKERS = ["<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", '<|"|>',
+                  "<|tool_response>", "<tool_response|>", "<|channel>", "<channel|>"]
+
 PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}assistant:{% endif %}")
 
@@ -119,13 +139,28 @@ def tiny(tmp_path_factory):
     return path, load_model(path), AutoTokenizer.from_pretrained(path.parent / "hf")
 
 
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    """(checkpoint, model, tokenizer) of the tiny model whose tokenizer has Gemma 4's markers as special
+    tokens (one token each, as in Gemma 4's vocabulary) and GEMMA4_TEMPLATE."""
+    from conftest import save_tokenizer
+    root = tmp_path_factory.mktemp("gemma4")
+    path = chat_checkpoint(root, GEMMA4_TEMPLATE, context=2048)
+    hf_tok = save_tokenizer(root / "hf")
+    hf_tok.add_special_tokens({"additional_special_tokens": GEMMA4_MARKERS})
+    hf_tok.save_pretrained(root)
+    set_chat_template(root, GEMMA4_TEMPLATE)
+    return path, load_model(path), load_tokenizer(root)
+
+
 def tokenizer_with(path, template):
     tokenizer = load_tokenizer(path.parent)
     tokenizer.chat_template = template
     return tokenizer
 
 
-@pytest.mark.parametrize("template", [HERMES_TEMPLATE, JSON_TEMPLATE, XML_TEMPLATE], ids=["hermes", "json", "xml"])
+@pytest.mark.parametrize("template", [HERMES_TEMPLATE, JSON_TEMPLATE, XML_TEMPLATE, GEMMA4_TEMPLATE],
+                         ids=["hermes", "json", "xml", "gemma4"])
 def test_prompt_is_what_transformers_renders(tiny, template):
     """A template that takes tools: the prompt the server builds from OpenAI's messages equals
     transformers' apply_chat_template of the same template, tools and conversation (the calls'
@@ -232,6 +267,36 @@ def test_parse_xml(tiny):
         assert tools.parse(bad) == (bad, [])
 
 
+def test_parse_gemma4(gemma4):
+    """Gemma 4's calls, as the model's tokens decode (its markers kept in the text): strings between
+    <|"|> quotes, keys bare, numbers, nested values; several calls; a cut-off one after a whole one;
+    what is not such a call is text. Reading a call back and writing it again gives the same text."""
+    from tools import CALL_CLOSE, CALL_OPEN, QUOTE, gemma_call
+    _, _, tokenizer = gemma4
+    tools = Tools.read([PICK, COUNT, NOTE], "auto", True, tokenizer)
+    assert tools.style == "gemma4"
+    text = ('Let me see.<|tool_call>call:pick{color:<|"|>red<|"|>,n:3}<tool_call|>'
+            '<|tool_call>call:note{tags:[<|"|>a<|"|>,{x:-1.5e2,y:null}],text:<|"|>12 < 13,\n"q"<|"|>}<tool_call|>')
+    ids = tokenizer.encode(text, bos=False)
+    assert tokenizer.decode(ids) == text and {tokenizer.token_id(m) for m in (CALL_OPEN, CALL_CLOSE, QUOTE)} <= set(ids)
+    content, calls = tools.parse(tokenizer.decode(ids))
+    assert content == "Let me see."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("pick", {"color": "red", "n": 3}),
+         ("note", {"tags": ["a", {"x": -150.0, "y": None}], "text": '12 < 13,\n"q"'})]
+    assert len(tools.parse(text[:-20])[1]) == 1
+    for bad in ["<|tool_call>call:fly{}<tool_call|>", "<|tool_call>pick{}<tool_call|>", "<|tool_call>call:pick{n:}"
+                "<tool_call|>", "no call here"]:
+        assert tools.parse(bad) == (bad, [])
+    # A past call as the template writes it into the prompt reads back to the same call.
+    call = {"id": "c", "type": "function", "function": {"name": "note", "arguments": '{"text": "a:b", "tags": ["a"]}'}}
+    conversation = [{"role": "user", "content": "Note it."},
+                    {"role": "assistant", "content": None, "tool_calls": [call]}]
+    prompt = tokenizer.decode(encode_conversation(tokenizer, read_messages(conversation), tools))
+    written = prompt[prompt.index(CALL_OPEN) + len(CALL_OPEN):prompt.index(CALL_CLOSE)]
+    assert gemma_call(written) == {"name": "note", "arguments": {"tags": ["a"], "text": "a:b"}}
+
+
 def test_call_ids_a_mistral_template_takes(tiny):
     """Mistral's templates write [TOOL_CALLS] and refuse a call id that is not 9 characters: the
     calls read back get such ids, and a conversation holding them renders."""
@@ -277,14 +342,14 @@ def token_ids(tokenizer, text):
 
 def lazy_grammar_accepts(tokenizer, model):
     """-> accepted(tools, text): whether the tools' lazy grammar, started at <tool_call> (a bare JSON
-    call: at the start of the text), takes every token of text after it (on llguidance's matcher,
-    token by token)."""
+    call: at the start of the text; Gemma 4's: at <|tool_call>), takes every token of text after it (on
+    llguidance's matcher, token by token)."""
     from structured import Constraint, TokenTable
     table = TokenTable(tokenizer, model.config.vocab_size)
 
     def accepted(tools, text):
         grammar, trigger = tools.grammar()
-        assert trigger == ("<tool_call>" if tools.style != JSON else JSON_CALL)
+        assert trigger == {JSON: JSON_CALL, "gemma4": "<|tool_call>"}.get(tools.style, "<tool_call>")
         constraint = Constraint(table, grammar)
         for t in token_ids(tokenizer, text):
             if not constraint.allowed("cpu")[t]:
@@ -360,13 +425,42 @@ def test_auto_grammar_holds_bare_json_calls(tiny):
     assert [m and m.start(1) for m in starts] == [2, 0, None, None]
 
 
-@pytest.mark.parametrize("template", [HERMES_TEMPLATE, JSON_TEMPLATE, XML_TEMPLATE, PLAIN_TEMPLATE],
-                         ids=["hermes", "json", "xml", "none"])
-def test_forced_calls_follow_the_schemas(tiny, template):
+def test_auto_grammar_holds_gemma4_calls(gemma4):
+    """Gemma 4's calls from <|tool_call> on: the name, then the arguments by name (as its template writes
+    them), a string between quotes (special tokens: any text inside) held to its enum and length, a number
+    to its bounds, others any Gemma 4 value; then <|tool_call> again or nothing."""
+    _, model, tokenizer = gemma4
+    accepted = functools.partial(lazy_grammar_accepts(tokenizer, model), Tools.read([PICK, COUNT, NOTE], "auto", True,
+                                                                                   tokenizer))
+    pick, note = 'call:pick{color:<|"|>blue<|"|>,n:7}<tool_call|>', 'call:note{text:<|"|>a < b\n}<|"|>}<tool_call|>'
+    assert accepted(pick) and accepted(note) and accepted(pick + "<|tool_call>" + note)
+    assert accepted('call:note{tags:[<|"|>a<|"|>,{x:1}],text:<|"|><|"|>}<tool_call|>')
+    assert not accepted(pick.replace("blue", "green")) and not accepted(pick.replace("7", "12"))
+    assert not accepted('call:pick{n:7,color:<|"|>blue<|"|>}') and not accepted("call:pick{n:7}")  # order; required
+    assert not accepted(note.replace("a < b\n}", "x" * 41)) and not accepted('call:fly{}')
+    assert not accepted(pick + " and then")
+    # Forced: calls from the first token, after a thought where the model thinks (its template left it to).
+    from structured import Constraint, TokenTable
+    table = TokenTable(tokenizer, model.config.vocab_size)
+    required = Tools.read([PICK, COUNT], "required", True, tokenizer)
+
+    def forced(text, thinks):
+        constraint = Constraint(table, required.grammar(thinks=thinks)[0])
+        return all(constraint.allowed("cpu")[t] and constraint.take(t)
+                   for t in tokenizer.encode(text, bos=False))
+    thought = "<|channel>thought\nThe sky.<channel|>"
+    assert forced("<|tool_call>" + pick, False) and forced(thought + "<|tool_call>" + pick, True)
+    assert forced("<|tool_call>" + pick, True) and not forced(thought + "<|tool_call>" + pick, False)
+    assert not forced("Sure." + "<|tool_call>" + pick, True)
+
+
+@pytest.mark.parametrize("template", [HERMES_TEMPLATE, JSON_TEMPLATE, XML_TEMPLATE, GEMMA4_TEMPLATE, PLAIN_TEMPLATE],
+                         ids=["hermes", "json", "xml", "gemma4", "none"])
+def test_forced_calls_follow_the_schemas(tiny, template, request):
     """tool_choice "required" and a named function: a random model's answers, greedy and sampled,
     batched beside a free request (which stays as it was alone), are calls that parse and follow
     the tools' schemas, checked by hand."""
-    path, model, _ = tiny
+    path, model, _ = request.getfixturevalue("gemma4") if template is GEMMA4_TEMPLATE else tiny
     tokenizer = tokenizer_with(path, template)
     required = Tools.read([PICK, COUNT], "required", False, tokenizer)
     named = Tools.read([PICK, COUNT], {"type": "function", "function": {"name": "count"}}, True, tokenizer)
@@ -411,19 +505,20 @@ def test_real_model_calls_the_right_tool(default_model):
 
 @pytest.fixture(scope="module", params=[pytest.param("hermes", marks=pytest.mark.slow),
                                         pytest.param("xml", marks=pytest.mark.slow),
-                                        pytest.param("json", marks=pytest.mark.slow), "none"])
+                                        pytest.param("json", marks=pytest.mark.slow),
+                                        pytest.param("gemma4", marks=pytest.mark.slow), "none"])
 def tool_server(request, tiny, tmp_path_factory):
-    """The server on the tiny model, its template taking tools (hermes, Qwen3.5's XML, Llama's bare JSON)
-    or not. The default run keeps the one SmolLM2's template takes (none); the server's code is the
+    """The server on the tiny model, its template taking tools (hermes, Qwen3.5's XML, Llama's bare JSON,
+    Gemma 4's) or not. The default run keeps the one SmolLM2's template takes (none); the server's code is the
     same for all."""
     from test_server import KEY, start_server, stop_server
-    path = tiny[0]
+    path = request.getfixturevalue("gemma4")[0] if request.param == "gemma4" else tiny[0]
     d = tmp_path_factory.mktemp(f"server-{request.param}")
     for f in path.parent.iterdir():
         if f.is_file():
             shutil.copy(f, d / f.name)
     set_chat_template(d, {"hermes": HERMES_TEMPLATE, "xml": XML_TEMPLATE, "json": JSON_TEMPLATE,
-                          "none": PLAIN_TEMPLATE}[request.param])
+                          "gemma4": GEMMA4_TEMPLATE, "none": PLAIN_TEMPLATE}[request.param])
     proc, url = start_server(d / path.name, "--api_key", KEY, "--max_batch_size", "2", "--max_seq_length", "2048",
                              "--model_name", "tiny")
     yield url, d / path.name
