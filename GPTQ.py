@@ -163,7 +163,7 @@ def gptq_model(model: Transformer, tokens: Tensor, groupsize: int, percdamp: flo
     if c.num_experts > 0 or c.kv_lora_rank or c.per_layer_input_size or c.kv_shared_layers \
             or c.linear_attention_layers:
         raise ValueError("int4-gptq supports dense feed-forward models with LLaMA's attention; quantize "
-                         "mixture-of-experts, latent-attention, linear-attention (Qwen3.5) and Gemma 4 E2B / E4B "
+                         "mixture-of-experts, latent-attention, linear-attention (Qwen3.5, LFM2) and Gemma 4 E2B / E4B "
                          "models with --mode int4")
     device = model.tok_embeddings.weight.device
     n, T = tokens.shape

@@ -187,7 +187,9 @@ def sequence_tensors(model) -> dict:
             if module.v_cache is not None:  # (a keys-only cache: latent attention's)
                 tensors[f"{name}.v_cache"] = module.v_cache
         elif isinstance(module, RecurrentState):
-            tensors[f"{name}.conv"], tensors[f"{name}.memory"] = module.conv, module.memory
+            tensors[f"{name}.conv"] = module.conv
+            if module.memory is not None:  # (a short convolution's state has none)
+                tensors[f"{name}.memory"] = module.memory
     for name in ("rope_cos_sin", "rope_local_cos_sin"):
         if getattr(model, name, None) is not None:
             tensors[name] = getattr(model, name)

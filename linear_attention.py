@@ -1,6 +1,6 @@
 # Copyright (c) brisk developers. BSD-3-Clause license (see LICENSE).
-"""Gated DeltaNet (Qwen3-Next, Qwen3.5): linear attention whose memory is a fixed-size state per
-sequence instead of a KV cache that grows with it.
+"""Layers whose memory is a fixed-size state per sequence instead of a KV cache that grows with it:
+Gated DeltaNet (Qwen3-Next, Qwen3.5), linear attention, and LFM2's short convolution.
 
 Each value head keeps a matrix S [key_dim, value_dim]. A token decays it by exp(g) and writes its
 value under its key by the delta rule, the correction of what S already recalls for that key:
@@ -15,6 +15,9 @@ and gated by silu(z).
 A prompt runs in chunks of CHUNK tokens (the "WY" form of the delta rule: within a chunk the updates
 are solved as one triangular system, across chunks the state carries), a decode step as the
 recurrence itself. `recurrence` is the plain loop, the reference the tests hold both to.
+
+LFM2's `ShortConv` keeps the short convolution alone: B, C and x projected from the input, B * x
+through a causal depthwise convolution of a few taps, times C.
 """
 from typing import Optional
 
@@ -24,27 +27,77 @@ from torch import Tensor
 from torch.nn import functional as F
 
 CHUNK = 64
+KINDS = ("gated_deltanet", "short_conv")  # ModelArgs.linear_attention
 
 
 class RecurrentState(nn.Module):
     """A layer's state for max_batch_size rows ("slots"): the convolution's last inputs and the
-    delta rule's matrices. Unlike a KV cache it stands at one position, the last its row consumed."""
+    delta rule's matrices (none for a short convolution: heads 0). Unlike a KV cache it stands at one
+    position, the last its row consumed."""
 
-    def __init__(self, max_batch_size: int, channels: int, kernel: int, heads: int, key_dim: int, value_dim: int,
-                 dtype):
+    def __init__(self, max_batch_size: int, channels: int, kernel: int, heads: int = 0, key_dim: int = 0,
+                 value_dim: int = 0, dtype=None):
         super().__init__()
         self.register_buffer("conv", torch.zeros(max_batch_size, channels, kernel - 1, dtype=dtype), persistent=False)
         # fp32 whatever the model's dtype: the state sums every token so far, as transformers keeps it.
-        self.register_buffer("memory", torch.zeros(max_batch_size, heads, key_dim, value_dim), persistent=False)
+        self.register_buffer("memory", torch.zeros(max_batch_size, heads, key_dim, value_dim) if heads else None,
+                             persistent=False)
 
     def read(self, B: int, rows: Optional[Tensor]) -> tuple:
+        if self.memory is None:
+            return (self.conv[:B] if rows is None else self.conv[rows]), None
         return (self.conv[:B], self.memory[:B]) if rows is None else (self.conv[rows], self.memory[rows])
 
-    def write(self, conv: Tensor, memory: Tensor, rows: Optional[Tensor]):
+    def write(self, conv: Tensor, memory: Optional[Tensor], rows: Optional[Tensor]):
         if rows is None:
-            self.conv[:conv.shape[0]], self.memory[:memory.shape[0]] = conv, memory
+            self.conv[:conv.shape[0]] = conv
+            if memory is not None:
+                self.memory[:memory.shape[0]] = memory
         else:
-            self.conv[rows], self.memory[rows] = conv, memory
+            self.conv[rows] = conv
+            if memory is not None:
+                self.memory[rows] = memory
+
+
+def causal_conv(x: Tensor, weight: Tensor, conv: Tensor, keep: Tensor, mask: Optional[Tensor]) -> tuple:
+    """A causal depthwise convolution of x [B, T, C] by weight [C, kernel] after the state's last
+    kernel - 1 inputs conv [B, C, kernel - 1] (zeros where keep [B or 1, 1] is 0: a row that starts)
+    -> (out [B, T, C], the new state: the kernel - 1 inputs before each row's first padding token,
+    mask [B, T] saying which tokens are real, None: all)."""
+    B, T, C = x.shape
+    conv = conv * keep[..., None].to(conv.dtype)
+    seq = torch.cat([conv.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, kernel - 1 + T]
+    out = F.conv1d(seq, weight[:, None].to(x.dtype), groups=C).transpose(1, 2)
+    if mask is None:
+        return out, seq[..., T:]
+    index = mask.sum(-1)[:, None] + torch.arange(weight.shape[1] - 1, device=x.device)
+    return out, seq.gather(2, index[:, None].expand(B, C, -1))
+
+
+class ShortConv(nn.Module):
+    """LFM2's convolution layer: B, C, x = w_in(input); out = wo(C * conv(B * x)), the convolution
+    causal and depthwise over `kernel` taps (its last kernel - 1 inputs the state)."""
+
+    def __init__(self, dim: int, kernel: int):
+        super().__init__()
+        self.dim, self.kernel = dim, kernel
+        self.w_in = nn.Linear(dim, 3 * dim, bias=False)
+        self.conv = nn.Parameter(torch.empty(dim, kernel))
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.state: Optional[RecurrentState] = None
+
+    def make_state(self, max_batch_size: int, dtype) -> RecurrentState:
+        return RecurrentState(max_batch_size, self.dim, self.kernel, dtype=dtype)
+
+    def forward(self, x: Tensor, input_pos: Tensor, rope: Tensor, mask: Optional[Tensor],
+                cache_rows: Optional[Tensor] = None) -> Tensor:
+        """As GatedDeltaNet.forward."""
+        b, c, h = self.w_in(x).chunk(3, dim=-1)
+        conv, _ = self.state.read(x.shape[0], cache_rows)
+        keep = (input_pos[..., :1] != 0).reshape(-1, 1)  # [1 or B, 1]: 0 where a row starts (empty state)
+        y, conv = causal_conv(b * h, self.conv, conv, keep, mask)
+        self.state.write(conv.to(self.state.conv.dtype), None, cache_rows)
+        return self.wo(c * y)
 
 
 class GatedDeltaNet(nn.Module):
@@ -79,16 +132,8 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.w_in(x).split([self.channels, H * dv, H, H], dim=-1)
         conv, memory = self.state.read(B, cache_rows)
         keep = (input_pos[..., :1] != 0).reshape(-1, 1)  # [1 or B, 1]: 0 where a row starts (empty state)
-        conv = conv * keep[..., None].to(conv.dtype)
-
-        # The causal convolution over the previous kernel - 1 inputs and these.
-        seq = torch.cat([conv.to(qkv.dtype), qkv.transpose(1, 2)], dim=-1)  # [B, C, kernel - 1 + T]
-        qkv = F.silu(F.conv1d(seq, self.conv[:, None].to(qkv.dtype), groups=self.channels)).transpose(1, 2)
-        if mask is None:
-            conv = seq[..., T:]
-        else:  # the kernel - 1 inputs before each row's first padding token
-            index = mask.sum(-1)[:, None] + torch.arange(self.kernel - 1, device=x.device)
-            conv = seq.gather(2, index[:, None].expand(B, self.channels, -1))
+        qkv, conv = causal_conv(qkv, self.conv, conv, keep, mask)  # over the previous kernel - 1 inputs and these
+        qkv = F.silu(qkv)
 
         q, k, v = qkv.float().split([self.key_heads * dk, self.key_heads * dk, H * dv], dim=-1)
         q, k = (l2_normalized(t.view(B, T, self.key_heads, dk)) for t in (q, k))

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn import functional as F
 
-from linear_attention import GatedDeltaNet
+from linear_attention import KINDS as LINEAR_ATTENTION, GatedDeltaNet, ShortConv
 from rope import apply_rope, precompute_rope, rope_frequencies
 
 
@@ -117,8 +117,11 @@ class ModelArgs:
     # Qwen3-Next / Qwen3.5: these layers mix tokens by Gated DeltaNet (linear_attention.py), a state of
     # linear_value_heads matrices [linear_key_dim, linear_value_dim] per sequence instead of a KV cache,
     # with linear_key_heads query/key heads and a causal convolution of linear_conv_kernel taps; the
-    # other layers' attention output is gated by sigmoid of a projection of the input.
+    # other layers' attention output is gated by sigmoid of a projection of the input. LFM2's layers
+    # (linear_attention "short_conv") are a gated causal depthwise convolution of linear_conv_kernel taps
+    # instead, their state its last inputs.
     linear_attention_layers: Optional[list] = None
+    linear_attention: str = "gated_deltanet"
     linear_key_heads: int = 16
     linear_value_heads: int = 32
     linear_key_dim: int = 128
@@ -227,6 +230,9 @@ class ModelArgs:
             raise ValueError(f"linear_value_heads {self.linear_value_heads} must be a multiple of linear_key_heads "
                              f"{self.linear_key_heads} and linear_conv_kernel {self.linear_conv_kernel} positive "
                              "(and no kv_shared_layers beside linear attention)")
+        if self.linear_attention not in LINEAR_ATTENTION:
+            raise ValueError(f"unknown linear_attention {self.linear_attention!r}; known: "
+                             f"{', '.join(LINEAR_ATTENTION)}")
         if self.rope_base <= 0 or self.norm_eps <= 0:
             raise ValueError(f"rope_base and norm_eps must be positive, got {self.rope_base}, {self.norm_eps}")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -513,9 +519,10 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.sliding = config.is_sliding(layer_id)  # Transformer.forward hands it the window's mask (and local RoPE)
         c = config
-        self.linear = c.is_linear(layer_id)  # a recurrent state, no KV cache (Qwen3.5's Gated DeltaNet)
-        self.attention = (GatedDeltaNet(c.dim, c.linear_key_heads, c.linear_value_heads, c.linear_key_dim,
-                                        c.linear_value_dim, c.linear_conv_kernel, c.norm_eps) if self.linear
+        self.linear = c.is_linear(layer_id)  # a recurrent state, no KV cache (Qwen3.5's Gated DeltaNet, LFM2's)
+        self.attention = (ShortConv(c.dim, c.linear_conv_kernel) if self.linear and c.linear_attention == "short_conv"
+                          else GatedDeltaNet(c.dim, c.linear_key_heads, c.linear_value_heads, c.linear_key_dim,
+                                             c.linear_value_dim, c.linear_conv_kernel, c.norm_eps) if self.linear
                           else LatentAttention(c) if c.kv_lora_rank else Attention(c, layer_id))
         moe = config.num_experts > 0 and not config.experts_beside_mlp and layer_id not in (config.dense_layers or ())
         wide = config.double_wide_mlp and config.kv_source(layer_id) is not None  # (Gemma 4 E2B / E4B)

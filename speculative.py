@@ -86,7 +86,7 @@ def speculative_generate(model: Transformer, prompt: Tensor, max_new_tokens: int
         raise ValueError("speculative decoding generates one sequence at a time; use --batch_size 1")
     if any(m is not None and m.config.linear_attention_layers for m in (model, draft_model)):
         raise ValueError("speculative decoding rolls back the draft tokens the target rejects, which linear "
-                         "attention's state (Qwen3.5, Qwen3-Next) cannot; generate without a draft")
+                         "attention's state (Qwen3.5, Qwen3-Next, LFM2) cannot; generate without a draft")
     if k < 1 or (ngram is not None and ngram < 1):
         raise ValueError(f"--speculate_k and --speculate_ngram must be at least 1, got {k} and {ngram}")
     check_context(model.config, T, max_new_tokens)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from linear_attention import GatedDeltaNet
+from linear_attention import GatedDeltaNet, ShortConv
 from model import LatentAttention, MoEFeedForward, Transformer
 
 # Where the model's own layers keep their (output, input) features in each stored tensor; None: no
@@ -40,8 +40,10 @@ def check_divisible(config, world_size: int):
     sizes = {"n_head": config.n_head}
     if not config.kv_lora_rank:  # (latent attention's one latent stays whole on every rank)
         sizes["n_local_heads (key/value heads)"] = config.n_local_heads
-    if config.linear_attention_layers:
+    if config.linear_attention_layers and config.linear_attention == "gated_deltanet":
         sizes["linear_key_heads (of Gated DeltaNet)"] = config.linear_key_heads
+    if config.linear_attention_layers and config.linear_attention == "short_conv":
+        sizes["dim (LFM2's convolution channels)"] = config.dim
     if config.global_kv_heads:
         sizes["global_kv_heads (key/value heads of the full-attention layers)"] = config.global_kv_heads
     if not config.num_experts or config.dense_layers:
@@ -74,6 +76,8 @@ def apply_tp(model: Transformer, rank: int, world_size: int) -> Transformer:
             _shard_latent_attention(attn, **shard)
         elif isinstance(attn, GatedDeltaNet):
             _shard_linear_attention(attn, **shard)
+        elif isinstance(attn, ShortConv):
+            _shard_short_conv(attn, **shard)
         else:
             _shard_attention(attn, c.qk_norm, group, **shard)
         attn.register_forward_hook(_all_reduce_output(group))
@@ -154,6 +158,16 @@ def _shard_linear_attention(attn: GatedDeltaNet, rank: int, world_size: int):
     _shard_linear(attn.wo, "in", **shard)
     attn.key_heads, attn.value_heads = attn.key_heads // world_size, attn.value_heads // world_size
     attn.channels //= world_size
+
+
+def _shard_short_conv(conv: ShortConv, rank: int, world_size: int):
+    """LFM2's convolution is per channel: each rank keeps a block of channels, their rows of B, C and x
+    in the input projection and of the convolution, their columns of the output (all-reduced)."""
+    shard = dict(rank=rank, world_size=world_size)
+    _shard_linear(conv.w_in, "out", parts=[conv.dim] * 3, **shard)
+    _replace(conv, "conv", _take(conv.conv, 0, rank, world_size))
+    _shard_linear(conv.wo, "in", **shard)
+    conv.dim //= world_size
 
 
 class ShardedRMSNorm(nn.Module):

@@ -30,7 +30,7 @@ from scripts.convert_hf_checkpoint import (check_against_model, gated_delta_net,
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "olmo2", "exaone4",
                            "seed_oss", "glm4", "ernie4_5", "granite", "gpt-oss", "command-r", "cohere2", "glm4moe",
                            "dots1", "minimax-m2", "deepseek2", "qwen2moe", "olmoe", "granitemoe", "mistral3",
-                           "qwen3next", "qwen35", "qwen35moe", "gemma4")
+                           "qwen3next", "qwen35", "qwen35moe", "gemma4", "lfm2", "lfm2moe")
 # DeepSeek V3's routing (sigmoid, a selection bias): llama.cpp's default for these where the file names none
 SIGMOID_ROUTER = ("glm4moe", "dots1", "minimax-m2")
 GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
@@ -47,6 +47,7 @@ GEMMA = ("gemma2", "gemma3")
 # tiled ([K0's 1st, K1's 1st, ..., K0's 2nd, ...]) where HF groups them by key head
 LINEAR_ATTENTION = ("qwen3next", "qwen35", "qwen35moe")
 TILED_VALUE_HEADS = ("qwen35", "qwen35moe")
+SHORT_CONV = ("lfm2", "lfm2moe")  # LFM2's convolution layers (those with no key/value heads) beside attention
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # GGUF name (layer index as {}) -> brisk name. q/k/v are fused into wqkv afterwards.
@@ -130,6 +131,12 @@ ARCH_WEIGHT_MAP["gemma4"] = {
     "blk.{}.pre_ffw_norm_2.weight": "layers.{}.experts_norm.weight",
     "blk.{}.post_ffw_norm_2.weight": "layers.{}.post_experts_norm.weight",
 }
+# LFM2: its final norm (token_embd_norm, as llama.cpp names it) and its convolutions' projections
+for _arch in SHORT_CONV:
+    ARCH_WEIGHT_MAP[_arch] = {"token_embd_norm.weight": "norm.weight",
+                              "blk.{}.shortconv.in_proj.weight": "layers.{}.attention.w_in.weight",
+                              "blk.{}.shortconv.conv.weight": "layers.{}.attention.conv",
+                              "blk.{}.shortconv.out_proj.weight": "layers.{}.attention.wo.weight"}
 ROPE_FREQS = "rope_freqs.weight"  # LLaMA 3.1+ stores its rope scaling as per-frequency divisors
 YARN_FIELDS = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow", "attention_factor": "yarn_attn_factor"}
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
@@ -167,6 +174,7 @@ PRE_TOKENIZERS = {
     "dbrx": (_LLAMA3, False, False),
     "qwen2": (_QWEN2, False, False),
     "qwen35": (_QWEN35, False, False),
+    "lfm2": (_LLAMA3, False, True),
     "deepseek-r1-qwen": (_QWEN2, False, False),
     "tekken": (_TEKKEN, False, False),
     "gpt-4o": (_GPT4O, False, False),  # Phi-4-mini (o200k)
@@ -211,6 +219,10 @@ def config_from_gguf(reader) -> ModelArgs:
     dim, n_head = get("embedding_length"), get("attention.head_count")
     n_local_heads = get("attention.head_count_kv", n_head)
     gemma4 = arch == "gemma4"  # (its shapes per kind of layer: gemma4_fields)
+    short_conv = arch in SHORT_CONV  # (no key/value heads on its convolution layers)
+    conv_layers = [i for i, h in enumerate(n_local_heads) if h == 0] if short_conv else []
+    if short_conv:
+        n_local_heads = max(n_local_heads) if isinstance(n_local_heads, list) else n_local_heads
     if not isinstance(n_local_heads, int) and not gemma4:
         raise ValueError(f"per-layer {arch}.attention.head_count_kv is not supported (one value for all layers)")
     if "token_embd.weight" not in tensors:
@@ -252,7 +264,7 @@ def config_from_gguf(reader) -> ModelArgs:
     group_top = 1 if mla and router == "softmax" else 2
     routed_scale = field(reader, f"{arch}.expert_weights_scale")
     linear = arch in LINEAR_ATTENTION
-    linear_layers = [i for i in range(n_layer) if f"blk.{i}.ssm_a" in tensors] if linear else []
+    linear_layers = [i for i in range(n_layer) if f"blk.{i}.ssm_a" in tensors] if linear else conv_layers
     a = next(f"blk.{i}." for i in range(n_layer) if i not in linear_layers)  # an attention layer's tensors
     if gpt_oss and rope_scaling:  # its YaRN ramp is not rounded to whole dimensions (its HF config's truncate: false)
         rope_scaling["truncate"] = False
@@ -325,6 +337,7 @@ def config_from_gguf(reader) -> ModelArgs:
                 linear_key_dim=get("ssm.state_size"),
                 linear_value_dim=get("ssm.inner_size") // get("ssm.time_step_rank"),
                 linear_conv_kernel=get("ssm.conv_kernel"), attention_output_gate=True) if linear else {}),
+        **(dict(linear_attention="short_conv", linear_conv_kernel=get("shortconv.l_cache")) if short_conv else {}),
     )
     return ModelArgs(**{**args, **(gemma4_fields(reader, get, tensors, n_layer, local_layers) if gemma4 else {})})
 
@@ -514,7 +527,8 @@ def convert_tensors(reader, config: ModelArgs, dtype=None) -> dict:
         if config.is_linear(i):
             if arch in TILED_VALUE_HEADS:
                 grouped_value_heads(state, p, config)
-            gated_delta_net(state, p, config)
+            if config.linear_attention == "gated_deltanet":  # (LFM2's convolution is stored as brisk keeps it)
+                gated_delta_net(state, p, config)
             continue
         if config.attention_output_gate:  # attn_q: each head's query, then its gate (HF's q_proj)
             state[p + "wq.weight"], gate = queries_and_gates(state.pop(p + "wq.weight"), config)

@@ -28,7 +28,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemm
              "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4", "gpt_oss", "ernie4_5",
              "ministral3", "cohere", "cohere2", "olmoe", "granitemoe", "qwen2_moe", "glm4_moe", "dots1", "minimax_m2",
              "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4", "gemma4_text", "qwen3_5_text",
-             "qwen3_5_moe_text", "qwen3_next")
+             "qwen3_5_moe_text", "qwen3_next", "lfm2", "lfm2_moe")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 
@@ -134,6 +134,27 @@ FAMILY_WEIGHT_MAP = {
         ("in_proj_a.weight", "w_a"), ("in_proj_qkvz.weight", "w_qkvz"), ("in_proj_ba.weight", "w_ba"),
         ("conv1d.weight", "conv"), ("A_log", "A_log"), ("dt_bias", "dt_bias"), ("norm.weight", "norm_weight"),
         ("out_proj.weight", "wo.weight"))} for family in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")},
+    # LFM2: its norms and attention named its own way, the short convolution's projections
+    **{family: {"model.embedding_norm.weight": "norm.weight",
+                "model.layers.{}.operator_norm.weight": "layers.{}.attention_norm.weight",
+                "model.layers.{}.ffn_norm.weight": "layers.{}.ffn_norm.weight",
+                **{f"model.layers.{{}}.feed_forward.{w}.weight": f"layers.{{}}.feed_forward.{w}.weight"
+                   for w in ("w1", "w2", "w3")},
+                "model.layers.{}.self_attn.out_proj.weight": "layers.{}.attention.wo.weight",
+                "model.layers.{}.self_attn.q_layernorm.weight": "layers.{}.attention.q_norm.weight",
+                "model.layers.{}.self_attn.k_layernorm.weight": "layers.{}.attention.k_norm.weight",
+                "model.layers.{}.conv.in_proj.weight": "layers.{}.attention.w_in.weight",
+                "model.layers.{}.conv.conv.weight": "layers.{}.attention.conv",
+                "model.layers.{}.conv.out_proj.weight": "layers.{}.attention.wo.weight",
+                # LFM2-MoE's experts (the hub's one tensor each, or transformers 5's gate and up fused as
+                # [E, 2I, D]), router and its selection bias
+                **{f"model.layers.{{}}.feed_forward.experts.{{}}.{w}.weight": f"layers.{{}}.feed_forward.{w}.{{}}"
+                   for w in ("w1", "w2", "w3")},
+                "model.layers.{}.feed_forward.gate.weight": "layers.{}.feed_forward.gate.weight",
+                "model.layers.{}.feed_forward.experts.gate_up_proj": "layers.{}.feed_forward.w13",
+                "model.layers.{}.feed_forward.experts.down_proj": "layers.{}.feed_forward.w2",
+                "model.layers.{}.feed_forward.expert_bias": "layers.{}.feed_forward.selection_bias"}
+      for family in ("lfm2", "lfm2_moe")},
     # GLM-4: norms after each sublayer too, named its own way.
     "glm4": {"model.layers.{}.post_self_attn_layernorm.weight": "layers.{}.post_attention_norm.weight",
              "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
@@ -165,6 +186,9 @@ HF_DEFAULTS = {
                         attention_k_eq_v=False),
     "smollm3": dict(tie_word_embeddings=True, no_rope_layer_interval=4),
     "qwen2": dict(max_window_layers=28),
+    "lfm2": dict(tie_word_embeddings=True, norm_eps=1e-5, conv_L_cache=3),
+    "lfm2_moe": dict(tie_word_embeddings=True, norm_eps=1e-5, conv_L_cache=3, use_expert_bias=True,
+                     norm_topk_prob=True, num_dense_layers=2),
     "qwen3": dict(max_window_layers=28),
     "qwen3_moe": dict(max_window_layers=28, norm_topk_prob=False, decoder_sparse_step=1),
     "qwen2_moe": dict(max_window_layers=28, norm_topk_prob=False, decoder_sparse_step=1, qkv_bias=True),
@@ -191,8 +215,11 @@ HF_DEFAULTS = {
         ("qwen3_5_text", {}), ("qwen3_5_moe_text", dict(norm_topk_prob=True)),
         ("qwen3_next", dict(norm_topk_prob=True, decoder_sparse_step=1)))},
 }
+# LFM2's hub configs use their own names for two of transformers' keys
+HF_ALIASES = {family: {"tie_embedding": "tie_word_embeddings", "block_ff_dim": "intermediate_size"}
+              for family in ("lfm2", "lfm2_moe")}
 DEFAULT_ROPE_BASE = {"gemma3_text": 1_000_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0, "cohere": 500_000.0,
-                     "minimax_m2": 5_000_000.0}
+                     "minimax_m2": 5_000_000.0, "lfm2": 1_000_000.0, "lfm2_moe": 1_000_000.0}
 # Qwen3.5 / Qwen3-Next: Gated DeltaNet on 3 layers in 4, a gate on the others' attention output, Gemma's
 # (1 + weight) norms but for the one inside Gated DeltaNet
 LINEAR_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -212,9 +239,10 @@ MLA = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4")
 # DeepSeek's mixture of experts: groups, shared experts, dense first layers; V3's sigmoid routing with a
 # selection bias (V2 and Mistral 4 route by softmax)
 DEEPSEEK_MOE = ("glm4_moe", "dots1") + MLA
-SIGMOID_ROUTER = ("glm4_moe", "dots1", "minimax_m2", "deepseek_v3", "glm4_moe_lite")
+SIGMOID_ROUTER = ("glm4_moe", "dots1", "minimax_m2", "deepseek_v3", "glm4_moe_lite", "lfm2_moe")
+LFM2 = ("lfm2", "lfm2_moe")  # LFM2's short convolutions (linear_attention "short_conv") beside attention
 MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "granitemoe", "minimax_m2", "qwen3_5_moe_text",
-       "qwen3_next") + DEEPSEEK_MOE
+       "qwen3_next", "lfm2_moe") + DEEPSEEK_MOE
 # Checkpoints that keep multi-token-prediction layers after the last (GLM-4.5's, DeepSeek V3's): brisk
 # does not run them
 MTP_LAYERS = ("glm4_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite")
@@ -243,8 +271,10 @@ def text_tensor_name(name: str) -> Optional[str]:
 
 
 def with_defaults(hf: dict) -> dict:
-    """A config.json with transformers' defaults for the keys its family lets it leave out (HF_DEFAULTS)."""
-    return {**HF_DEFAULTS.get(hf.get("model_type"), {}), **hf}
+    """A config.json with transformers' defaults for the keys its family lets it leave out (HF_DEFAULTS),
+    and its keys under the names transformers reads them by (HF_ALIASES)."""
+    aliases = HF_ALIASES.get(hf.get("model_type"), {})
+    return {**HF_DEFAULTS.get(hf.get("model_type"), {}), **{aliases.get(k, k): v for k, v in hf.items()}}
 
 
 def config_from_hf(hf: dict) -> ModelArgs:
@@ -291,6 +321,14 @@ def config_from_hf(hf: dict) -> ModelArgs:
         types = hf.get("layer_types") or ["full_attention" if (i + 1) % hf["full_attention_interval"] == 0
                                           else "linear_attention" for i in range(n_layer)]
         linear_layers = [i for i, t in enumerate(types) if t == "linear_attention"] or None
+    if model_type in LFM2:
+        if hf.get("conv_bias"):
+            raise ValueError(f"unsupported conv_bias=true in the {model_type} config.json")
+        types = hf.get("layer_types") or ["full_attention" if i in hf.get("full_attn_idxs", range(n_layer))
+                                          else "conv" for i in range(n_layer)]
+        linear_layers = [i for i, t in enumerate(types) if t == "conv"] or None
+        if model_type == "lfm2_moe":
+            dense = list(range(min(hf["num_dense_layers"], n_layer))) or None
     if model_type in DEEPSEEK_MOE:
         types = hf.get("mlp_layer_types")  # GLM-4.7-Flash's form
         dense = ([i for i, t in enumerate(types) if t == "dense"] if types
@@ -306,7 +344,8 @@ def config_from_hf(hf: dict) -> ModelArgs:
         head_dim, n_kv_heads = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], 1
     else:
         n_kv_heads = hf.get("num_key_value_heads") or n_head
-    routed_scale = float(hf.get("routed_scaling_factor") or 1.0) if model_type in DEEPSEEK_MOE else 1.0
+    routed_scale = (float(hf.get("routed_scaling_factor") or 1.0) if model_type in DEEPSEEK_MOE + ("lfm2_moe",)
+                    else 1.0)
     no_rope = None
     if model_type == "smollm3":  # HF lists 1 for the layers that use RoPE
         uses_rope = hf.get("no_rope_layers") or [int((i + 1) % hf["no_rope_layer_interval"] != 0)
@@ -325,12 +364,13 @@ def config_from_hf(hf: dict) -> ModelArgs:
         n_head=n_head,
         dim=hf["hidden_size"],
         # (Qwen3.5's MoE models have experts in every layer and no dense size)
-        intermediate_size=hf["moe_intermediate_size"] if model_type == "qwen3_5_moe_text" else hf["intermediate_size"],
+        intermediate_size=(hf["moe_intermediate_size"] if model_type == "qwen3_5_moe_text" else lfm2_mlp_size(hf)
+                           if model_type == "lfm2" else hf["intermediate_size"]),
         n_local_heads=n_kv_heads,
         head_dim=head_dim,
         rope_base=rope_base,
         rope_scaling=rope_scaling,
-        norm_eps=hf["layer_norm_eps"] if model_type in COHERE else hf["rms_norm_eps"],
+        norm_eps=hf["layer_norm_eps" if model_type in COHERE else "norm_eps" if model_type in LFM2 else "rms_norm_eps"],
         attention_bias=(model_type in QKV_BIAS or gpt_oss) and bool(
             hf.get("qkv_bias" if model_type == "qwen2_moe" else "attention_bias", True)),
         attention_out_bias=gpt_oss and bool(hf.get("attention_bias", True)),
@@ -345,11 +385,12 @@ def config_from_hf(hf: dict) -> ModelArgs:
         num_experts=experts,
         num_activated_experts=hf.get("top_k_experts" if gemma4 else "num_experts_per_tok") or 2,
         moe_intermediate_size=(hf.get("moe_intermediate_size") if model_type in (
-            "qwen3_moe", "qwen2_moe", "gemma4_text", "qwen3_5_moe_text", "qwen3_next") + DEEPSEEK_MOE else None),
+            "qwen3_moe", "qwen2_moe", "gemma4_text", "qwen3_5_moe_text", "qwen3_next", "lfm2_moe") + DEEPSEEK_MOE
+            else None),
         shared_expert_size=shared,
         shared_expert_gate=model_type in ("qwen2_moe", "qwen3_5_moe_text", "qwen3_next") and shared is not None,
         router="sigmoid" if model_type in SIGMOID_ROUTER else "softmax",
-        expert_selection_bias=model_type in SIGMOID_ROUTER,
+        expert_selection_bias=model_type in SIGMOID_ROUTER and bool(hf.get("use_expert_bias", True)),
         expert_groups=groups[0],
         expert_groups_used=groups[1],
         expert_group_top=1 if model_type == "deepseek_v2" else 2,  # V2 ranks a group by its best expert
@@ -360,7 +401,7 @@ def config_from_hf(hf: dict) -> ModelArgs:
         dense_layers=dense,
         qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "gemma4_text": "head", "exaone4": "head",
                  "dots1": "head", "glm4_moe": "head" if hf.get("use_qk_norm") else None,
-                 **{family: "head" for family in LINEAR_ATTENTION},
+                 **{family: "head" for family in LINEAR_ATTENTION + LFM2},
                  "olmo2": "all", "olmo3": "all", "olmoe": "all", "minimax_m2": "all"}.get(model_type),
         norm_offset=1.0 if gemma or linear else 0.0,
         norm_centered=model_type in COHERE,
@@ -398,7 +439,21 @@ def config_from_hf(hf: dict) -> ModelArgs:
         **(dict(linear_key_heads=hf["linear_num_key_heads"], linear_value_heads=hf["linear_num_value_heads"],
                 linear_key_dim=hf["linear_key_head_dim"], linear_value_dim=hf["linear_value_head_dim"],
                 linear_conv_kernel=hf["linear_conv_kernel_dim"], attention_output_gate=True) if linear else {}),
+        **(dict(linear_attention="short_conv", linear_conv_kernel=hf["conv_L_cache"]) if model_type in LFM2 else {}),
     )
+
+
+def lfm2_mlp_size(hf: dict) -> int:
+    """LFM2's feed-forward width as transformers derives it from intermediate_size (two thirds of it,
+    times block_ffn_dim_multiplier, rounded up to block_multiple_of)."""
+    size = hf["intermediate_size"]
+    if hf.get("block_auto_adjust_ff_dim", True):
+        size = int(2 * size / 3)
+        if hf.get("block_ffn_dim_multiplier") is not None:
+            size = int(hf["block_ffn_dim_multiplier"] * size)
+            multiple = hf.get("block_multiple_of", 256)
+            size = multiple * ((size + multiple - 1) // multiple)
+    return size
 
 
 def gemma4_global_attention(hf: dict, window_layers: Optional[list], n_layer: int) -> tuple:
@@ -611,7 +666,9 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
     for i in range(config.n_layer):
         p = f"layers.{i}.attention."
         linear = config.is_linear(i)
-        if linear:
+        if linear and config.linear_attention == "short_conv":  # (LFM2) the convolution's [channels, 1, kernel]
+            state[p + "conv"] = state[p + "conv"].squeeze(1)
+        elif linear:
             gated_delta_net(state, p, config)
         elif config.attention_output_gate:  # (the gates go last in wqkv)
             state[p + "wq.weight"], state[p + "wgate.weight"] = queries_and_gates(state.pop(p + "wq.weight"), config)

@@ -184,6 +184,15 @@ FAMILIES = {
         num_hidden_layers=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    # LFM2: short convolutions (3 taps) on the layers that do not attend, attention with per-head q/k norms;
+    # the feed-forward two thirds of intermediate_size rounded up to 32 (192).
+    "lfm2": ("Lfm2ForCausalLM", "Lfm2Config", dict(
+        num_hidden_layers=4, num_key_value_heads=2, intermediate_size=256, block_multiple_of=32, norm_eps=1e-5,
+        layer_types=["conv", "full_attention", "conv", "full_attention"])),
+    # LFM2-MoE: a dense first layer, then 4 experts by sigmoid with a selection bias
+    "lfm2_moe": ("Lfm2MoeForCausalLM", "Lfm2MoeConfig", dict(
+        num_hidden_layers=3, num_key_value_heads=2, moe_intermediate_size=32, num_dense_layers=1, num_experts=4,
+        num_experts_per_tok=2, norm_eps=1e-5, layer_types=["conv", "full_attention", "conv"])),
     # Granite 3's multipliers (its 8B: 12, 1/128, 0.22, 16); untied: the tests' wide random
     # embeddings, times 12 and tied, would make greedy repeat the last token.
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(
@@ -222,7 +231,7 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
             else:
                 p.add_(torch.randn_like(p) * 0.05)
         for name, b in model.named_buffers():  # buffers a checkpoint holds, constant at init
-            if name.endswith("e_score_correction_bias"):  # DeepSeek V3-style routers' selection bias
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # DeepSeek V3-style routers' selection bias
                 b.normal_(0, 0.2)
             elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale
                 b.uniform_(0.5, 1.5)

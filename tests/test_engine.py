@@ -190,7 +190,8 @@ def test_staggered_arrivals(tiny):
 
 @pytest.mark.parametrize("family", ["mistral", "mixtral", "gemma2", "gemma3", "qwen3_moe", "phi3", "olmo2", "gpt_oss",
                                     "ministral3", "cohere2", "qwen2_moe", "glm4_moe", "deepseek_v3",
-                                    "mistral4", "gemma4", "gemma4_moe", "gemma4_e2b", "qwen3_5", "qwen3_next"])
+                                    "mistral4", "gemma4", "gemma4_moe", "gemma4_e2b", "qwen3_5", "qwen3_next",
+                                    "lfm2", "lfm2_moe"])
 def test_sliding_window_and_moe(tiny, family):
     """Windows far shorter than the prompts (on alternating layers for Gemma, with soft-capping for
     Gemma 2), experts, q/k norms, fused projections, gpt-oss's sinks and biased experts through the engine."""
@@ -202,12 +203,13 @@ def test_sliding_window_and_moe(tiny, family):
         assert r.token_ids == alone(model, p, 20)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
 @pytest.mark.parametrize("max_batch_size,prefill_chunk", [(3, 48), (8, 512)])
-def test_linear_attention_batch_equals_alone(tiny, max_batch_size, prefill_chunk):
-    """Qwen3.5's Gated DeltaNet state through the engine: right-padded prompts prefilled together (the
-    padding must not enter a row's state), prompts in chunks, slots taken over by shorter prompts
-    (the state starts again at position 0), rows decoding while others prefill."""
-    model = tiny("qwen3_5")
+def test_linear_attention_batch_equals_alone(tiny, max_batch_size, prefill_chunk, family):
+    """Qwen3.5's Gated DeltaNet state (LFM2's convolution's) through the engine: right-padded prompts
+    prefilled together (the padding must not enter a row's state), prompts in chunks, slots taken over by
+    shorter prompts (the state starts again at position 0), rows decoding while others prefill."""
+    model = tiny(family)
     ps = prompts()
     max_new = [20, 7, 33, 12, 5, 28, 16, 9]
     results = Engine(model, IdTokenizer(), max_batch_size=max_batch_size, max_seq_length=340,
@@ -215,12 +217,13 @@ def test_linear_attention_batch_equals_alone(tiny, max_batch_size, prefill_chunk
     assert [r.token_ids for r in results] == [alone(model, p, n) for p, n in zip(ps, max_new)]
 
 
-def test_linear_attention_prompt_cache(tiny):
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+def test_linear_attention_prompt_cache(tiny, family):
     """A slot's state stands at the last position its request consumed: a next turn that goes on from
     all of it (a chat's earlier turns and answer) prefills only its new tokens; a prompt that shares
     only part of it is computed whole, and none is copied from another slot's row (two prompts with
     one system prompt at once)."""
-    model = tiny("qwen3_5")
+    model = tiny(family)
     system, first, other = prompts((40, 9, 30), seed=6)
     engine = Engine(model, IdTokenizer(), max_batch_size=2, max_seq_length=200)
     answer, = engine.generate([Request(system + first, 8)])
@@ -234,11 +237,12 @@ def test_linear_attention_prompt_cache(tiny):
 
 
 @pytest.mark.slow
-def test_compiled_engine_with_linear_attention(tiny):
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+def test_compiled_engine_with_linear_attention(tiny, family):
     """Compiled, every slot decodes in the one [max_batch_size, 1] shape: the rows that only ride along
     (free, or prefilling) must leave their state as it was (lengths 0); prompts run eagerly."""
     from compiling import rows_vary
-    model = tiny("qwen3_5")
+    model = tiny(family)
     torch._dynamo.reset()
     engine = Engine(model, IdTokenizer(), max_batch_size=3, max_seq_length=340, prefill_chunk=48, compile=True)
     assert not engine.live_rows_only and not rows_vary(model, "cpu")

@@ -21,7 +21,7 @@ NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope
                 "exaone4", "seed_oss", "glm4", "glm", "gpt_oss", "ernie4_5", "ministral3", "cohere",
                 "cohere2", "olmoe", "granitemoe", "qwen2_moe", "granite", "glm4_moe", "dots1", "minimax_m2",
                 "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4", "gemma4", "gemma4_moe",
-                "gemma4_e2b", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
+                "gemma4_e2b", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -157,6 +157,11 @@ EXPECTED_CONFIG = {
                         norm_topk_prob=True, dense_layers=None, attention_output_gate=True),
     "qwen3_next": dict(linear_attention_layers=[0, 1, 2], dense_layers=[1], shared_expert_size=48,
                        attention_output_gate=True, norm_offset=1.0),
+    "lfm2": dict(linear_attention_layers=[0, 2], linear_attention="short_conv", linear_conv_kernel=3,
+                 intermediate_size=192, qk_norm="head", tie_embeddings=False, norm_offset=0.0),
+    "lfm2_moe": dict(linear_attention_layers=[0, 2], linear_attention="short_conv", num_experts=4,
+                     moe_intermediate_size=32, dense_layers=[0], router="sigmoid", expert_selection_bias=True,
+                     norm_topk_prob=True),
     "mistral4": dict(kv_lora_rank=16, router="softmax", expert_selection_bias=False, expert_groups=2,
                      expert_group_top=2, query_scale_beta=0.1, query_scale_length=8),
 }
@@ -559,14 +564,15 @@ def test_linear_attention_state_against_the_plain_recurrence():
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_linear_attention_refuses_speculative_and_gptq(converted):
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+def test_linear_attention_refuses_speculative_and_gptq(converted, family):
     """A recurrent state cannot roll back rejected draft tokens; GPTQ's layer-by-layer pass knows attention only."""
     from GPTQ import gptq_model
     from speculative import speculative_generate
-    model = load_model(converted("qwen3_5")[1])
+    model = load_model(converted(family)[1])
     with pytest.raises(ValueError, match="linear attention's state .* cannot; generate without a draft"):
         speculative_generate(model, torch.tensor([1, 2, 3]), 4, ngram=2)
-    with pytest.raises(ValueError, match="linear-attention \\(Qwen3.5\\)"):
+    with pytest.raises(ValueError, match="linear-attention \\(Qwen3.5, LFM2\\)"):
         gptq_model(model, torch.zeros(1, 8, dtype=torch.long), 32)
 
 

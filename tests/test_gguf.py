@@ -337,6 +337,10 @@ LLAMA_CPP_CONVERTED = {
     # would then not recognise on SmolLM2's vocab: the converter runs with transformers' generic class)
     "qwen3_5_moe": ("qwen3_5_moe", {"args": ["--no-mtp"], "generic_tokenizer": True}),
     "qwen3_next": ("qwen3_next", {"mlp_only_layers": [], "args": ["--no-mtp"]}),
+    # LFM2's convolutions (the layers with no key/value heads), its final norm as token_embd_norm; LFM2-MoE
+    # tied, as the hub's (llama.cpp's converter has no name for its untied output)
+    "lfm2": ("lfm2", {}),
+    "lfm2_moe": ("lfm2_moe", {"tie_word_embeddings": True}),
 }
 
 
