@@ -79,10 +79,13 @@ def resolve_model(name: str, args) -> Model:
     if name == "qwen3.5-0.8b":  # (no multi-token-prediction layer, which llama.cpp's converter would expect)
         make_random_qwen35(work, tokenizer_dir=args.smollm2_dir)
         return Model(name, work / "model.pth", work / "hf", work, 128, gguf_flags=("--no-mtp",))
+    if name == "lfm2-1.2b":
+        make_random_lfm2(work, tokenizer_dir=args.smollm2_dir)
+        return Model(name, work / "model.pth", work / "hf", work, 128)
     d = Path(name)
     if not (d / "model.pth").is_file():
-        raise ValueError(f"--models: {name!r} is neither smollm2, llama-1b, qwen3.5-0.8b nor a folder holding "
-                         "model.pth")
+        raise ValueError(f"--models: {name!r} is neither smollm2, llama-1b, qwen3.5-0.8b, lfm2-1.2b nor a folder "
+                         "holding model.pth")
     hf = d / "hf" if (d / "hf" / "config.json").is_file() else None
     return Model(d.name, d / "model.pth", hf, args.work_dir / d.name, 128)
 
@@ -150,6 +153,23 @@ def make_random_qwen35(out: Path, tokenizer_dir: Path):
         rms_norm_eps=1e-6, eos_token_id=0)
     torch.manual_seed(0)
     save_random_model(transformers.Qwen3_5ForCausalLM(config).to(torch.bfloat16), out, tokenizer_dir)
+
+
+def make_random_lfm2(out: Path, tokenizer_dir: Path):
+    """A random model of LFM2-1.2B's shape (16 layers of 2048: 10 short convolutions of 3 taps, 6 of
+    attention with 32 query and 8 key/value heads of 64; a feed-forward of 8192; a tied 65536-token
+    vocabulary), in bf16 as Liquid's releases, by transformers' own class and initialisation."""
+    if (out / "model.pth").is_file():
+        return
+    import torch
+    import transformers
+    log(f"making a random LFM2-shaped model in {out} (once)")
+    config = transformers.Lfm2Config(
+        vocab_size=65536, hidden_size=2048, intermediate_size=12288, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=128000, full_attn_idxs=[2, 5, 8, 10, 12, 14],
+        tie_word_embeddings=True, norm_eps=1e-5, eos_token_id=0)
+    torch.manual_seed(0)
+    save_random_model(transformers.Lfm2ForCausalLM(config).to(torch.bfloat16), out, tokenizer_dir)
 
 
 def save_random_model(model, out: Path, tokenizer_dir: Path):
@@ -784,7 +804,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Benchmark brisk against transformers and llama.cpp on this machine.")
     p.add_argument("--models", default=None,
                    help="comma-separated: smollm2, llama-1b (random LLaMA-3.2-1B shape), qwen3.5-0.8b (random, "
-                        "Qwen3.5's small shape: linear attention), or folders holding model.pth (and hf/); "
+                        "Qwen3.5's small shape: linear attention), lfm2-1.2b (random, LFM2's shape: short "
+                        "convolutions), or folders holding model.pth (and hf/); "
                         "default smollm2,llama-1b (--quick: smollm2)")
     p.add_argument("--configs", default=",".join(DEFAULT_SYSTEMS),
                    help=f"comma-separated systems from {', '.join(SYSTEMS)}, or all (transformers-compile "
