@@ -132,12 +132,13 @@ def test_packed_bf16_equals_float64_product(isa, n, k):
         torch.testing.assert_close(got.double(), expected, rtol=2 ** -7, atol=2 ** -7)
 
 
-@pytest.mark.parametrize("n,k", [(576, 576), (100, 200), (33, 7)])
+@pytest.mark.parametrize("n,k", [(576, 576), (100, 200), (33, 7), (70, 8191)])
 @pytest.mark.parametrize("rows", [16, 45, 96])
 def test_packed_bf16_prompt_equals_its_rows_alone(bf16_dot, n, k, rows):
     """A prompt's bf16 product (on AMX's tiles where the CPU has them: 16 rows or more, padded to
     whole tiles of 32 rows and 32 k) against each of its rows alone (vdpbf16ps) and float64: sums of
-    the same exact products in another order, so equal but for a few values one bf16 step apart."""
+    the same exact products in another order, so equal but for a few values one bf16 step apart.
+    k = 8191: an odd k whose last 16 k-pairs are short of a whole tile, over a long sum."""
     torch.manual_seed(rows + k)
     linear = nn.Linear(k, n, bias=False).bfloat16()
     packed = kernels.PackedLinear(linear, kernels.best_isa())
