@@ -7,15 +7,21 @@ A decode step is one row; a batch of streams, a speculative check or a short pro
 The weights are random, in the shapes of as many layers of --model as make --gb of each
 precision (more than the last-level cache holds, so they come from memory as a real model's
 do), packed as the command lines pack them. Each row count runs every product once, best of
---repeats; the last column is the time against one row's, so a product that reads its weights
-once for all rows stays near 1.
+--repeats; "x 1 row" is the time against one row's, so a product that reads its weights
+once for all rows stays near 1. --peer times torch's own product (F.linear: oneDNN / MKL) on the
+same weights unpacked beside it (fp32, bf16), the ratio its time over ours: a prompt's rows are
+where those libraries' large-matrix kernels are at their best.
+
+    python scripts/bench_products.py --precisions fp32,bf16 --rows 1,32,256,1024 --peer
 """
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 if __name__ == "__main__":  # run as a script: make the repo root importable
@@ -39,14 +45,16 @@ def activations(precision: str) -> torch.dtype:
     return getattr(torch, TORCH_DTYPES.get(precision, "float32"))
 
 
-def packed_layer(precision: str, n: int, k: int) -> nn.Module:
+def packed_layer(precision: str, n: int, k: int, peer: bool = False) -> tuple:
     """A layer of random weights [n, k] as the command lines run it on this CPU: a PackedLinear
-    (fp32, bf16), or quantize.py's int8 / int4-sym (groups of 32) finalized into kernels.cpp's layout."""
+    (fp32, bf16), or quantize.py's int8 / int4-sym (groups of 32) finalized into kernels.cpp's
+    layout; and with peer, the weights unpacked (fp32, bf16; else None)."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * k)) * 0.02
     if precision in ("fp32", "bf16"):
+        dense = w.to(activations(precision))
         linear = nn.Linear(k, n, bias=False, device="meta")
-        linear.weight = nn.Parameter(w.to(activations(precision)), requires_grad=False)
-        return kernels.PackedLinear(linear, kernels.best_isa())
+        linear.weight = nn.Parameter(dense.clone(), requires_grad=False)  # packing frees its weight
+        return kernels.PackedLinear(linear, kernels.best_isa()), dense if peer else None
     if precision == "int8":
         layer = Int8Linear(k, n, bias=False)
         layer.weight, layer.scales = quantize_int8(w)
@@ -54,30 +62,40 @@ def packed_layer(precision: str, n: int, k: int) -> nn.Module:
         layer = Int4Linear(k, n, False, INT4_GROUPSIZE, padded_size(k, INT4_GROUPSIZE))
         layer.weight, layer.scales_and_zeros = quantize_int4(w, INT4_GROUPSIZE, symmetric=True)
     layer.finalize(torch.device("cpu"), torch.float32)
-    return layer
+    return layer, None
 
 
-def measure(config: ModelArgs, gb: float, precision: str, rows: list, repeats: int) -> list:
+def best_time(products: list, xs: dict, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` runs of every product (after one that warms up)."""
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        for product, k in products:
+            product(xs[k])
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+def measure(config: ModelArgs, gb: float, precision: str, rows: list, repeats: int, peer: bool = False) -> list:
     layers = []
-    while not layers or sum(nbytes for _, nbytes in layers) < gb * 1e9:  # whole layers
+    while not layers or sum(nbytes for _, nbytes, _ in layers) < gb * 1e9:  # whole layers
         for n, k in layer_shapes(config):
-            layer = packed_layer(precision, n, k)
-            layers.append((layer, sum(b.nbytes for b in layer.buffers())))
-    gb = sum(nbytes for _, nbytes in layers) / 1e9
+            layer, dense = packed_layer(precision, n, k, peer)
+            layers.append((layer, sum(b.nbytes for b in layer.buffers()), dense))
+    gb = sum(nbytes for _, nbytes, _ in layers) / 1e9
+    flop = 2 * sum(layer.in_features * layer.out_features for layer, _, _ in layers)  # a row's
+    ours = [(layer, layer.in_features) for layer, _, _ in layers]
+    torchs = [(functools.partial(F.linear, weight=dense), dense.shape[1]) for _, _, dense in layers
+              if dense is not None]
     results, one = [], None
     with torch.no_grad():
         for m in rows:
             xs = {k: torch.randn(m, k).to(activations(precision)) for _, k in layer_shapes(config)}
-            times = []
-            for _ in range(repeats + 1):  # the first one warms up
-                t0 = time.perf_counter()
-                for layer, _ in layers:
-                    layer(xs[layer.in_features])
-                times.append(time.perf_counter() - t0)
-            best = min(times[1:])
+            best = best_time(ours, xs, repeats)
             one = one or best
+            vs_torch = best_time(torchs, xs, repeats) / best if torchs else None
             results.append({"precision": precision, "rows": m, "gb": gb, "ms": best * 1e3, "gbps": gb / best,
-                            "vs_one_row": best / one})
+                            "tflops": m * flop / best / 1e12, "vs_one_row": best / one, "vs_torch": vs_torch})
     return results
 
 
@@ -91,6 +109,7 @@ def main(argv=None):
     p.add_argument("--rows", default="1,2,4,8,16,32,64", help="comma-separated rows of x")
     p.add_argument("--repeats", type=positive_int, default=5, help="runs of every product per row count (best kept)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's own)")
+    p.add_argument("--peer", action="store_true", help="also time torch's F.linear on the unpacked weights (fp32, bf16)")
     args = p.parse_args(argv)
     with error_boundary():
         precisions = args.precisions.split(",")
@@ -111,11 +130,13 @@ def main(argv=None):
         config = ModelArgs.from_name(args.model)
         print(f"{cpu_name()} ({cpu_isa()}), kernels.cpp {isa}, {torch.get_num_threads()} threads, torch "
               f"{torch.__version__}, {args.gb} GB of {args.model}'s layers per precision")
-        print(f"{'precision':<10}{'rows':>5}{'GB':>7}{'ms':>9}{'GB/s':>7}{'x 1 row':>9}")
+        print(f"{'precision':<10}{'rows':>5}{'GB':>7}{'ms':>9}{'GB/s':>7}{'TFLOP/s':>9}{'x 1 row':>9}"
+              + (f"{'vs torch':>10}" if args.peer else ""))
         for precision in precisions:
-            for r in measure(config, args.gb, precision, rows, args.repeats):
+            for r in measure(config, args.gb, precision, rows, args.repeats, args.peer):
+                peer = "" if not args.peer else f"{r['vs_torch']:>9.2f}x" if r["vs_torch"] else f"{'-':>10}"
                 print(f"{r['precision']:<10}{r['rows']:>5}{r['gb']:>7.2f}{r['ms']:>9.1f}{r['gbps']:>7.1f}"
-                      f"{r['vs_one_row']:>9.2f}", flush=True)
+                      f"{r['tflops']:>9.2f}{r['vs_one_row']:>9.2f}{peer}", flush=True)
 
 
 if __name__ == "__main__":
