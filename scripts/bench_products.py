@@ -109,7 +109,8 @@ def main(argv=None):
     p.add_argument("--rows", default="1,2,4,8,16,32,64", help="comma-separated rows of x")
     p.add_argument("--repeats", type=positive_int, default=5, help="runs of every product per row count (best kept)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's own)")
-    p.add_argument("--peer", action="store_true", help="also time torch's F.linear on the unpacked weights (fp32, bf16)")
+    p.add_argument("--peer", action="store_true",
+                   help="also time torch's F.linear on the unpacked weights (fp32, bf16)")
     args = p.parse_args(argv)
     with error_boundary():
         precisions = args.precisions.split(",")
