@@ -117,59 +117,54 @@ def hf_from_default_gguf(out: Path) -> Path:
     return out
 
 
-def make_random_llama_1b(out: Path, tokenizer_dir: Path):
-    """A random LLaMA-3.2-1B-shaped model (vocab 49152 so SmolLM2's tokenizer fits, tied embeddings),
-    written by transformers' save_pretrained so that every system reads identical weights."""
+def make_random(out: Path, tokenizer_dir: Path, what: str, build) -> None:
+    """Once: out/model.pth from build(transformers), a random transformers model, seeded."""
     if (out / "model.pth").is_file():
         return
     import torch
     import transformers
-    from model import ModelArgs
-
-    log(f"making a random LLaMA-3.2-1B-shaped model in {out} (once)")
-    a = ModelArgs.from_name("llama-3.2-1b")
-    config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=a.dim, intermediate_size=a.intermediate_size, num_hidden_layers=a.n_layer,
-        num_attention_heads=a.n_head, num_key_value_heads=a.n_local_heads, head_dim=a.head_dim,
-        max_position_embeddings=2048, rms_norm_eps=a.norm_eps, rope_theta=a.rope_base, rope_scaling=a.rope_scaling,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=2)
+    log(f"making a random {what} model in {out} (once)")
     torch.manual_seed(0)
-    save_random_model(transformers.LlamaForCausalLM(config), out, tokenizer_dir)
+    save_random_model(build(transformers), out, tokenizer_dir)
+
+
+def make_random_llama_1b(out: Path, tokenizer_dir: Path):
+    """A random LLaMA-3.2-1B-shaped model (vocab 49152 so SmolLM2's tokenizer fits, tied embeddings),
+    written by transformers' save_pretrained so that every system reads identical weights."""
+    def build(transformers):
+        from model import ModelArgs
+        a = ModelArgs.from_name("llama-3.2-1b")
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=49152, hidden_size=a.dim, intermediate_size=a.intermediate_size, num_hidden_layers=a.n_layer,
+            num_attention_heads=a.n_head, num_key_value_heads=a.n_local_heads, head_dim=a.head_dim,
+            max_position_embeddings=2048, rms_norm_eps=a.norm_eps, rope_theta=a.rope_base,
+            rope_scaling=a.rope_scaling, tie_word_embeddings=True, bos_token_id=None, eos_token_id=2))
+    make_random(out, tokenizer_dir, "LLaMA-3.2-1B-shaped", build)
 
 
 def make_random_qwen35(out: Path, tokenizer_dir: Path):
     """A random model of Qwen3.5's small shape (0.75B: 24 layers of 1024, 18 of them Gated DeltaNet of 16
     heads of 128, 6 of gated attention, 8 query and 2 key/value heads of 256; a tied 248320-token
     vocabulary), in bf16 as Qwen's releases, by transformers' own class and initialisation."""
-    if (out / "model.pth").is_file():
-        return
-    import torch
-    import transformers
-    log(f"making a random Qwen3.5-shaped model in {out} (once)")
-    config = transformers.Qwen3_5TextConfig(
-        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768, tie_word_embeddings=True,
-        rms_norm_eps=1e-6, eos_token_id=0)
-    torch.manual_seed(0)
-    save_random_model(transformers.Qwen3_5ForCausalLM(config).to(torch.bfloat16), out, tokenizer_dir)
+    def build(transformers):
+        return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
+            vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+            linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768,
+            tie_word_embeddings=True, rms_norm_eps=1e-6, eos_token_id=0)).bfloat16()
+    make_random(out, tokenizer_dir, "Qwen3.5-shaped", build)
 
 
 def make_random_lfm2(out: Path, tokenizer_dir: Path):
     """A random model of LFM2-1.2B's shape (16 layers of 2048: 10 short convolutions of 3 taps, 6 of
     attention with 32 query and 8 key/value heads of 64; a feed-forward of 8192; a tied 65536-token
     vocabulary), in bf16 as Liquid's releases, by transformers' own class and initialisation."""
-    if (out / "model.pth").is_file():
-        return
-    import torch
-    import transformers
-    log(f"making a random LFM2-shaped model in {out} (once)")
-    config = transformers.Lfm2Config(
-        vocab_size=65536, hidden_size=2048, intermediate_size=12288, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, max_position_embeddings=128000, full_attn_idxs=[2, 5, 8, 10, 12, 14],
-        tie_word_embeddings=True, norm_eps=1e-5, eos_token_id=0)
-    torch.manual_seed(0)
-    save_random_model(transformers.Lfm2ForCausalLM(config).to(torch.bfloat16), out, tokenizer_dir)
+    def build(transformers):
+        return transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+            vocab_size=65536, hidden_size=2048, intermediate_size=12288, num_hidden_layers=16, num_attention_heads=32,
+            num_key_value_heads=8, max_position_embeddings=128000, full_attn_idxs=[2, 5, 8, 10, 12, 14],
+            tie_word_embeddings=True, norm_eps=1e-5, eos_token_id=0)).bfloat16()
+    make_random(out, tokenizer_dir, "LFM2-shaped", build)
 
 
 def save_random_model(model, out: Path, tokenizer_dir: Path):
