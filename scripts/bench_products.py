@@ -53,7 +53,7 @@ def packed_layer(precision: str, n: int, k: int, peer: bool = False) -> tuple:
     if precision in ("fp32", "bf16"):
         dense = w.to(activations(precision))
         linear = nn.Linear(k, n, bias=False, device="meta")
-        linear.weight = nn.Parameter(dense.clone(), requires_grad=False)  # packing frees its weight
+        linear.weight = nn.Parameter(dense, requires_grad=False)  # packed into a copy of its own
         return kernels.PackedLinear(linear, kernels.best_isa()), dense if peer else None
     if precision == "int8":
         layer = Int8Linear(k, n, bias=False)
