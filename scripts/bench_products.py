@@ -135,9 +135,9 @@ def main(argv=None):
               + (f"{'vs torch':>10}" if args.peer else ""))
         for precision in precisions:
             for r in measure(config, args.gb, precision, rows, args.repeats, args.peer):
-                peer = "" if not args.peer else f"{r['vs_torch']:>9.2f}x" if r["vs_torch"] else f"{'-':>10}"
+                peer = f"{r['vs_torch']:>9.2f}x" if r["vs_torch"] else f"{'-':>10}"
                 print(f"{r['precision']:<10}{r['rows']:>5}{r['gb']:>7.2f}{r['ms']:>9.1f}{r['gbps']:>7.1f}"
-                      f"{r['tflops']:>9.2f}{r['vs_one_row']:>9.2f}{peer}", flush=True)
+                      f"{r['tflops']:>9.2f}{r['vs_one_row']:>9.2f}" + (peer if args.peer else ""), flush=True)
 
 
 if __name__ == "__main__":
