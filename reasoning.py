@@ -20,6 +20,8 @@ recipient (`to=functions.NAME`) a tool call, which tools.py reads.
 """
 import re
 
+from structured import lark_literal
+
 OPEN, CLOSE = "<think>", "</think>"
 THOUGHT_CHANNEL = ("<|channel>thought", "<channel|>")  # Gemma 4's (tokenizer.py keeps these markers)
 
@@ -49,6 +51,22 @@ class Reasoning:
             return None
         tail = tokenizer.decode(prompt[-8:]).rstrip()
         return cls(opened=tail.endswith(tags[0]), tags=tags, closed=tail.endswith(tags[1]))
+
+    def thought_rules(self, tokenizer) -> str:
+        """Lark rules of `thought`, what an answer held to a grammar from its first token (`start:
+        thought ...`) opens with: the thinking, free up to its closing tag, and the whitespace after
+        it; optional where the model may answer at once. "" where the prompt closed it: no rules."""
+        if self.closed:
+            return ""
+        close = lark_literal(tokenizer, self.close)
+        if "<[" in close:  # a special token ends the text: no text can spell it
+            text, body = "/[\\s\\S]*/", f"THOUGHT_TEXT {close}"
+        else:  # the text up to the first closing tag, which it holds
+            end = re.escape(self.close).replace("/", "\\/")
+            text, body = f"/[\\s\\S]*{end}/ & ~/[\\s\\S]*{end}[\\s\\S]+/", "THOUGHT_TEXT"
+        body += " THOUGHT_SPACE"
+        thought = body if self.opened else f"({lark_literal(tokenizer, self.open)} {body})?"
+        return f"thought: {thought}\nTHOUGHT_TEXT: {text}\nTHOUGHT_SPACE: /[ \\t\\n]{{0,4}}/"
 
     def after_thinking(self, trigger) -> re.Pattern:
         """A lazy grammar's trigger (engine.py) found only after the thinking: a tool call that the
@@ -86,6 +104,7 @@ class Reasoning:
 
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 THINKING = CHANNEL + "analysis" + MESSAGE
+FINAL = CHANNEL + "final" + MESSAGE  # where the answer after the thinking starts
 
 
 class Harmony:

@@ -32,7 +32,7 @@ from engine import DEFAULT_PREFILL_CHUNK, Engine, Request
 from errors import SEED, error_boundary, finite_float, int_in, positive_int
 from load import DEFAULT_CHECKPOINT, PRECISIONS, add_placement_flags, log, placement
 from packed_cache import load_with_tokenizer
-from reasoning import Reasoning, ReasoningStream
+from reasoning import FINAL, Harmony, Reasoning, ReasoningStream
 import responses_api
 from structured import json_grammar
 from tools import Tools, ToolStream, encode_conversation, read_messages
@@ -135,15 +135,19 @@ def response_schema(body: dict) -> Optional[dict]:
                         f"{json.dumps(kind)[:50]}", param="response_format")
 
 
-def answer_grammar(params: dict, tools: Optional[Tools], thinking: Optional[Reasoning]) -> tuple:
+def answer_grammar(params: dict, tools: Optional[Tools], thinking, tokenizer) -> tuple:
     """-> (the grammar an answer follows: the tools' calls and/or response_format's schema, None
-    where it is free; what starts it, None: the first token). A thinking model's calls are looked
-    for after its thinking."""
+    where it is free; what starts it, None: the first token). A thinking model thinks first: a
+    grammar held from the first token opens with its thinking, calls are looked for after it, and
+    harmony's answer is held from its final channel on."""
     schema = params["response_schema"]
+    thought = thinking.thought_rules(tokenizer) if isinstance(thinking, Reasoning) else ""
     try:
         if tools is None:
-            return (json_grammar(schema) if schema is not None else None), None
-        grammar, trigger = tools.grammar(schema, thinks=isinstance(thinking, Reasoning) and not thinking.closed)
+            if schema is None:
+                return None, None
+            return json_grammar(schema, thought), FINAL if isinstance(thinking, Harmony) else None
+        grammar, trigger = tools.grammar(schema, thought=thought)
     except ValueError as e:
         raise APIError(400, str(e), param="tools" if tools is not None else "response_format") from None
     return grammar, thinking.after_thinking(trigger) if thinking is not None and trigger is not None else trigger
@@ -437,7 +441,7 @@ def make_app(server: Server):
             if max_tokens is not None and max_tokens < 1 and not score_only:
                 raise APIError(400, f"'max_tokens' must be at least 1 (0 only with echo), got {max_tokens}",
                                param="max_tokens")
-            params["grammar"], params["grammar_trigger"] = answer_grammar(params, tools, thinking)
+            params["grammar"], params["grammar_trigger"] = answer_grammar(params, tools, thinking, server.tokenizer)
             if server.stop.is_set():
                 raise APIError(503, "the server is shutting down", kind="server_error")
             ids, queue = server.submit(prompts, params, 1 if score_only else max_tokens, logprobs, score_prompt=echo)
@@ -572,7 +576,7 @@ def make_app(server: Server):
             tools = read_tools(chat, server.tokenizer)
             prompt = chat_prompt(chat, server.tokenizer, tools)
             thinking = Reasoning.of(server.tokenizer, prompt)
-            params["grammar"], params["grammar_trigger"] = answer_grammar(params, tools, thinking)
+            params["grammar"], params["grammar_trigger"] = answer_grammar(params, tools, thinking, server.tokenizer)
             max_tokens = get(chat, "max_tokens", "int", None, lambda v: v >= 1, "at least 1")
             if server.stop.is_set():
                 raise APIError(503, "the server is shutting down", kind="server_error")

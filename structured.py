@@ -11,6 +11,7 @@ each step's mask. This file only joins it to brisk's tokenizers and to the engin
     grammar = json_grammar({"type": "object", "properties": {"ok": {"type": "boolean"}}})
     Engine(model, tokenizer).generate([Request(ids, 64, grammar=grammar)])
 """
+import json
 from typing import Optional
 
 import torch
@@ -32,11 +33,15 @@ def _llguidance():
 WHITESPACE = r"[ \t\n\r]{0,20}"
 
 
-def json_grammar(schema: Optional[dict] = None) -> str:
+def json_grammar(schema: Optional[dict] = None, thought: str = "") -> str:
     """A JSON schema (None: any JSON object, OpenAI's json_object mode) -> a grammar for Request.grammar.
-    ValueError, naming the problem, for a schema that cannot be compiled."""
+    thought: Lark rules of the thinking the answer opens with (reasoning.py). ValueError, naming the
+    problem, for a schema that cannot be compiled."""
     schema = schema if schema is not None else {"type": "object"}
     options = {"whitespace_pattern": WHITESPACE}
+    if thought:
+        schema = json.dumps({**schema, "x-guidance": options}, ensure_ascii=False)
+        return lark_grammar(f"start: thought answer\nanswer: %json {schema}\n{thought}")
     return _checked(lambda matcher: matcher.grammar_from_json_schema(schema, defaults=options), "the JSON schema")
 
 
@@ -44,6 +49,27 @@ def lark_grammar(lark: str) -> str:
     """A Lark grammar in llguidance's dialect (`%json {schema}` embeds a JSON schema) -> a grammar for
     Request.grammar; ValueError naming the problem."""
     return _checked(lambda matcher: matcher.grammar_from_lark(lark), "the grammar")
+
+
+def lark_literal(tokenizer: Tokenizer, text: str) -> str:
+    """Lark for exactly `text` as this tokenizer writes it: each special token in it (Gemma 4's
+    <|channel>, harmony's markers) as that token, which no text can spell in llguidance's parser;
+    the rest as strings."""
+    special = {i for i, t in tokenizer.tok.get_added_tokens_decoder().items() if t.special} \
+        if isinstance(tokenizer, HFTokenizer) else set()
+    ids = tokenizer.encode(text, bos=False)
+    if not special.intersection(ids):
+        return json.dumps(text, ensure_ascii=False)
+    parts, run = [], []
+    for i in ids + [None]:
+        if (i is None or i in special) and run:
+            parts.append(json.dumps(tokenizer.decode(run), ensure_ascii=False))
+            run = []
+        if i in special:
+            parts.append(f"<[{i}]>")
+        elif i is not None:
+            run.append(i)
+    return " ".join(parts)
 
 
 def pattern_regex(pattern: str) -> str:

@@ -212,44 +212,45 @@ class Tools:
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         return {**schema, "x-guidance": {"whitespace_pattern": WHITESPACE}}
 
-    def grammar(self, answer_schema: Optional[dict] = None, thinks: bool = False) -> tuple:
+    def grammar(self, answer_schema: Optional[dict] = None, thought: str = "") -> tuple:
         """-> (a Lark grammar for llguidance, or None where the answer is free; the text that starts
         it, or None where it holds from the first token): Request's grammar and grammar_trigger.
-        answer_schema: response_format's, which an answer without calls follows; thinks: the answer
-        may think first (reasoning.py), which a forced Gemma 4 call lets it do."""
+        answer_schema: response_format's, which an answer without calls follows; thought: the rules of
+        the thinking that an answer held from its first token opens with (Reasoning.thought_rules)."""
         names = [self.choice] if self.forced and self.choice != "required" else list(self.schemas)
         if self.style == HARMONY:  # a call is a message whose header names it: held from there, forced or not
             return lark_grammar(self.harmony_rules(names)), HARMONY_CALL
+        answer = "" if answer_schema is None else "\nanswer: %json " + json.dumps(
+            {**answer_schema, "x-guidance": {"whitespace_pattern": WHITESPACE}}, ensure_ascii=False)
+        head, thought = ("thought ", "\n" + thought) if thought else ("", "")
+
+        def held(body: str, rules: str) -> tuple:  # from the first token, after the thinking
+            return lark_grammar(f"start: {head}{body}{rules}{answer}{thought}"), None
+        many = self.parallel and self.choice in ("auto", "required")
         if self.style == GEMMA4:
-            many = self.parallel and self.choice in ("auto", "required")
-            calls = f"call{' (<|tool_call> call)*' if many else ''}\n{self.gemma4_rules(names)}"
-            if self.forced:  # its thought channel where it thinks, then calls
-                thought, text = ('(<|channel> "thought" THOUGHT <channel|>)? ', "\nTHOUGHT: /[\\s\\S]*/") \
-                    if thinks else ("", "")
-                return lark_grammar(f"start: {thought}<|tool_call> {calls}{text}"), None
-            return lark_grammar(f"start: {calls}"), CALL_OPEN  # held from <|tool_call> on
+            calls, rules = f"call{' (<|tool_call> call)*' if many else ''}", "\n" + self.gemma4_rules(names)
+            if self.forced:
+                return held(f"<|tool_call> {calls}", rules)
+            if answer:  # calls, or an answer that follows the schema
+                return held(f"(<|tool_call> {calls} | answer)", rules)
+            return lark_grammar(f"start: {calls}{rules}"), CALL_OPEN  # held from <|tool_call> on
         call, rules = f"%json {json.dumps(self.call_schema(names), ensure_ascii=False)}", ""
         if self.style == XML:
             call, rules = "function", self.xml_rules(names)
-        many = self.parallel and self.choice in ("auto", "required")
-        answer = None
-        if answer_schema is not None:
-            answer = "%json " + json.dumps({**answer_schema, "x-guidance": {"whitespace_pattern": WHITESPACE}},
-                                           ensure_ascii=False)
         if self.style == JSON:  # the answer is the call (Llama 3.x), or a list of calls (Mistral)
             listed = '"[" WS call ("," WS call)* WS "]"' if many else '"[" WS call WS "]"'
             shape = f"\ncalls: call | {listed}\ncall: {call}\nWS: /[ \\t\\n]{{0,4}}/"
             if self.forced:
-                return lark_grammar(f"start: calls{shape}"), None
+                return held("calls", shape)
             if answer:
-                return lark_grammar(f"start: calls | {answer}{shape}"), None
+                return held("(calls | answer)", shape)
             return lark_grammar(f"start: calls{shape}"), JSON_CALL
         calls = 'call ("\\n" call)*' if many else "call"
-        block = f'call: "{OPEN}\\n" {call} "\\n{CLOSE}"{rules}'
+        block = f'\ncall: "{OPEN}\\n" {call} "\\n{CLOSE}"{rules}'
         if self.forced:
-            return lark_grammar(f"start: {calls}\n{block}"), None
+            return held(calls, block)
         if answer:
-            return lark_grammar(f"start: {calls} | {answer}\n{block}"), None
+            return held(f"({calls} | answer)", block)
         # Free text until the model writes the tag (the engine starts the grammar there, as
         # llama.cpp's lazy grammars do), then calls held to the schemas, and nothing after them.
         rest = f'start: body (WS "{OPEN}" body)*' if many else "start: body"

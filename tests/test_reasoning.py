@@ -9,7 +9,7 @@ import torch
 from conftest import chat_checkpoint
 from decode import generate
 from load import load_model
-from reasoning import THOUGHT_CHANNEL, Reasoning, ReasoningStream
+from reasoning import THOUGHT_CHANNEL, Harmony, Reasoning, ReasoningStream
 from tokenizer import load_tokenizer
 from tools import JSON_CALL
 
@@ -126,6 +126,17 @@ def test_reasoning_through_the_client(thinking_server):
     r = client.chat.completions.create(model="tiny", messages=question, max_tokens=12, temperature=0,
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.choices[0].message.content == answer and "reasoning_content" not in r.choices[0].message.model_extra
+    # response_format: the model thinks first (free text to </think>, but text: the random model's invalid
+    # UTF-8 bytes are held back, so not the same thought); switched off, the answer is JSON from the start.
+    yes_no = {"type": "json_schema", "json_schema": {"name": "yn", "schema": {"enum": ["yes", "no"]}}}
+    r = client.chat.completions.create(model="tiny", messages=question, max_tokens=12, temperature=0,
+                                       response_format=yes_no)
+    assert r.choices[0].message.model_extra["reasoning_content"] and r.choices[0].message.content == ""
+    assert r.choices[0].finish_reason == "length"
+    r = client.chat.completions.create(model="tiny", messages=question, max_tokens=12, temperature=0,
+                                       response_format=yes_no,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.content in ('"yes"', '"no"') and r.choices[0].finish_reason == "stop"
     # An earlier turn's thinking goes back to the template as reasoning_content (Qwen3's reads it).
     history = [*question, {"role": "assistant", "content": "Blue.", "reasoning_content": "It is day."},
                {"role": "user", "content": "Why?"}]
@@ -273,6 +284,25 @@ def test_harmony_calls_held_from_their_header(tmp_path):
         "<|channel|>commentary to=functions.")
 
 
+def test_harmony_response_format_held_from_the_final_channel(tmp_path):
+    """response_format on a harmony model: the analysis is free, the JSON held from the final channel's
+    message on (server.answer_grammar's trigger), as the answer gpt-oss writes after its thinking."""
+    from server import answer_grammar
+    from structured import Constraint, TokenTable
+    path = harmony_checkpoint(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    table = TokenTable(tokenizer, load_model(path).config.vocab_size)
+    grammar, trigger = answer_grammar({"response_schema": {"enum": ["yes", "no"]}}, None, Harmony(), tokenizer)
+    text = HARMONY_ANSWERS[0][0].replace("It is 4.", '"yes"')
+    assert text.find(trigger) == text.index("<|channel|>final<|message|>")
+
+    def accepted(answer):
+        constraint = Constraint(table, grammar)
+        return all(constraint.allowed("cpu")[t] and constraint.take(t) for t in tokenizer.encode(answer, bos=False)) \
+            and constraint.complete
+    assert accepted('"yes"') and accepted('"no"') and not accepted("It is 4.") and not accepted('"maybe"')
+
+
 @pytest.fixture(scope="module")
 def harmony_server(tmp_path_factory):
     yield from tiny_server(tmp_path_factory, "harmony", harmony_checkpoint)
@@ -284,7 +314,6 @@ def test_harmony_through_the_client(harmony_server):
     and the content equal the split of the same generation in this process; without the prefill,
     an answer that does not open a channel is all content."""
     import openai
-    from reasoning import Harmony
     from test_server import KEY
     url, path = harmony_server
     model, tokenizer = load_model(path), load_tokenizer(path.parent)
@@ -303,6 +332,10 @@ def test_harmony_through_the_client(harmony_server):
         chunks = list(client.chat.completions.create(**kwargs, stream=True))
         assert "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks) == (thought or "")
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == content
+        if prefill:  # response_format holds the final channel alone, which the random model does not open
+            r = client.chat.completions.create(**kwargs, response_format={"type": "json_object"})
+            message = r.choices[0].message
+            assert (message.model_extra.get("reasoning_content"), message.content) == (thought, content)
     # With tools the text is free until a call's header: the random model's answer is its own.
     ids = tokenizer.encode_chat(question, tools=WEATHER)
     out = generate(model, torch.tensor(ids), 16, eos_ids=tokenizer.eos_ids)[0, len(ids):].tolist()

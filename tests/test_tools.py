@@ -12,6 +12,7 @@ from conftest import chat_checkpoint, set_chat_template
 from decode import generate
 from engine import Engine, Request
 from load import load_model
+from reasoning import THOUGHT_CHANNEL, Reasoning
 from tokenizer import load_tokenizer
 from tools import JSON, JSON_CALL, SYSTEM_PROMPT, XML, Tools, ToolStream, encode_conversation, read_messages
 
@@ -445,13 +446,55 @@ def test_auto_grammar_holds_gemma4_calls(gemma4):
     required = Tools.read([PICK, COUNT], "required", True, tokenizer)
 
     def forced(text, thinks):
-        constraint = Constraint(table, required.grammar(thinks=thinks)[0])
+        thought = Reasoning(False, THOUGHT_CHANNEL).thought_rules(tokenizer) if thinks else ""
+        constraint = Constraint(table, required.grammar(thought=thought)[0])
         return all(constraint.allowed("cpu")[t] and constraint.take(t)
                    for t in tokenizer.encode(text, bos=False))
     thought = "<|channel>thought\nThe sky.<channel|>"
     assert forced("<|tool_call>" + pick, False) and forced(thought + "<|tool_call>" + pick, True)
     assert forced("<|tool_call>" + pick, True) and not forced(thought + "<|tool_call>" + pick, False)
     assert not forced("Sure." + "<|tool_call>" + pick, True)
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}
+
+
+@pytest.mark.parametrize("template, call", [
+    (HERMES_TEMPLATE, '<tool_call>\n{"name": "pick", "arguments": {"color": "blue", "n": 7}}\n</tool_call>'),
+    (JSON_TEMPLATE, '{"name": "pick", "parameters": {"color": "blue", "n": 7}}'),
+    (XML_TEMPLATE, '<tool_call>\n<function=pick>\n<parameter=color>\nblue\n</parameter>\n<parameter=n>\n7\n'
+                   '</parameter>\n</function>\n</tool_call>'),
+    (GEMMA4_TEMPLATE, '<|tool_call>call:pick{color:<|"|>blue<|"|>,n:7}<tool_call|>')],
+    ids=["hermes", "json", "xml", "gemma4"])
+def test_auto_calls_or_an_answer_in_the_response_format(tiny, template, call, request):
+    """tool_choice auto with response_format: from the first token the answer is a call, or JSON that
+    follows the response's schema, and then the end; free text, an answer outside the schema and a wrong
+    call are held back (llguidance's matcher, token by token). A model that thinks may think first, to its closing
+    tag (a special token in Gemma 4, text in Qwen3's <think>): where the prompt opened the thinking,
+    it must close it."""
+    from structured import Constraint, TokenTable
+    path, model, _ = request.getfixturevalue("gemma4") if template is GEMMA4_TEMPLATE else tiny
+    tokenizer = tokenizer_with(path, template)
+    table, tools = TokenTable(tokenizer, model.config.vocab_size), Tools.read([PICK, COUNT], "auto", True, tokenizer)
+
+    def accepted(text, thinking=None):
+        grammar, trigger = tools.grammar(CITY, thought=thinking.thought_rules(tokenizer) if thinking else "")
+        assert trigger is None
+        constraint = Constraint(table, grammar)  # every token allowed, and the end after them
+        return all(constraint.allowed("cpu")[t] and constraint.take(t) for t in token_ids(tokenizer, text)) and \
+            bool(constraint.allowed("cpu")[tokenizer.eos_ids[0]])
+    assert accepted(call) and accepted('{"city": "Paris"}')
+    assert not accepted('{"town": "Paris"}') and not accepted('{"city": "P' + "a" * 20 + 'ris"}')
+    assert not accepted("Paris") and not accepted(call.replace("blue", "green"))
+    tags = THOUGHT_CHANNEL if template is GEMMA4_TEMPLATE else ("<think>", "</think>")
+    may, opened, closed = Reasoning(False, tags), Reasoning(True, tags), Reasoning(False, tags, closed=True)
+    thought = f"{tags[0]}\nA city {{\"b\"}} </thin k> <think>.{tags[1]}\n\n"
+    for answer in ('{"city": "Paris"}', call):
+        assert accepted(thought + answer, may) and accepted(answer, may) and accepted(answer, closed)
+        assert accepted(thought[len(tags[0]):] + answer, opened) and not accepted(answer, opened)
+        assert not accepted(thought + answer) and not accepted(thought + answer, closed)
+    assert not accepted(thought + "Paris", may) and not accepted(thought + thought + call, may)
 
 
 @pytest.mark.parametrize("template", [HERMES_TEMPLATE, JSON_TEMPLATE, XML_TEMPLATE, GEMMA4_TEMPLATE, PLAIN_TEMPLATE],
@@ -561,6 +604,15 @@ def test_tool_calls_through_the_client(tool_server):
     assert final.choices[0].finish_reason == "stop"  # OpenAI's reason where tool_choice names the function
     [call] = final.choices[0].message.tool_calls
     assert call.function.name == "Count" and isinstance(call.function.parsed_arguments, Count)
+
+    # auto with response_format: a call, or an answer that the response's schema parses.
+    class City(BaseModel):
+        city: Literal["Paris", "Rome"]
+    r = client.chat.completions.parse(model="tiny", messages=question, tools=tools, response_format=City,
+                                      max_tokens=400, temperature=0)
+    answer = r.choices[0].message
+    assert isinstance(answer.parsed, City) or \
+        answer.tool_calls and isinstance(answer.tool_calls[0].function.parsed_arguments, (Pick, Count)), answer
 
     # The call and its result sent back (test_prompt_*: how the template gets them).
     history = [*question, message.model_dump(exclude_none=True),
