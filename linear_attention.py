@@ -66,12 +66,18 @@ def causal_conv(x: Tensor, weight: Tensor, conv: Tensor, keep: Tensor, mask: Opt
     mask [B, T] saying which tokens are real, None: all)."""
     B, T, C = x.shape
     conv = conv * keep[..., None].to(conv.dtype)
-    seq = torch.cat([conv.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, kernel - 1 + T]
-    out = F.conv1d(seq, weight[:, None].to(x.dtype), groups=C).transpose(1, 2)
+    seq = torch.cat([conv.transpose(1, 2).to(x.dtype), x], dim=1)  # [B, kernel - 1 + T, C]
+    # A sum of shifted rows in x's [B, T, C] layout (conv1d's [B, C, T] costs two transposed copies); as
+    # conv1d in x's dtype: the weights in it, the products exact in fp32, the sum rounded once.
+    taps, wide = weight.to(x.dtype).float().t(), seq.float()
+    out = wide[:, :T] * taps[0]
+    for j in range(1, weight.shape[1]):
+        out.addcmul_(wide[:, j:j + T], taps[j])
+    out = out.to(x.dtype)
     if mask is None:
-        return out, seq[..., T:]
+        return out, seq[:, T:].transpose(1, 2)
     index = mask.sum(-1)[:, None] + torch.arange(weight.shape[1] - 1, device=x.device)
-    return out, seq.gather(2, index[:, None].expand(B, C, -1))
+    return out, seq.gather(1, index[:, :, None].expand(B, -1, C)).transpose(1, 2)
 
 
 class ShortConv(nn.Module):
