@@ -128,6 +128,7 @@ class ModelArgs:
     linear_value_dim: int = 128
     linear_conv_kernel: int = 4
     attention_output_gate: bool = False
+    attention_head_gate: bool = False  # LFM3: each head's output times sigmoid of one projection of the input
 
     def __post_init__(self):
         self.check_types()
@@ -589,10 +590,12 @@ class Attention(nn.Module):
         # Gemma 4 E2B / E4B: a layer that attends to an earlier one's keys and values projects queries only.
         self.reads_kv = config.kv_source(layer_id) is not None
         kv_projections = 0 if self.reads_kv else 1 if self.values_are_keys else 2
-        # q, k and v in one projection: one matrix-vector product per layer instead of three.
-        # (Qwen3.5's full-attention layers: and a gate on each head's output, last)
-        self.output_gate = config.attention_output_gate
-        qkv_dim = (config.n_head * (1 + self.output_gate) + kv_projections * kv_heads) * head_dim
+        # q, k and v in one projection: one matrix-vector product per layer instead of three. Last in
+        # it, where the model gates the heads' outputs: a gate per output (Qwen3.5's full-attention
+        # layers) or one per head (LFM3).
+        self.output_gate, self.head_gate = config.attention_output_gate, config.attention_head_gate
+        self.gate_dim = config.n_head * head_dim if self.output_gate else config.n_head if self.head_gate else 0
+        qkv_dim = (config.n_head + kv_projections * kv_heads) * head_dim + self.gate_dim
         self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.attention_bias)
         self.wo = nn.Linear(config.n_head * head_dim, config.dim, bias=config.attention_out_bias)
         self.sinks = nn.Parameter(torch.empty(config.n_head)) if config.attention_sinks else None
@@ -629,8 +632,8 @@ class Attention(nn.Module):
         q_dim = self.n_head * self.head_dim
         qkv = self.wqkv(x)
         gate = None
-        if self.output_gate:
-            qkv, gate = qkv[..., :-q_dim], qkv[..., -q_dim:]
+        if self.gate_dim:
+            qkv, gate = qkv[..., :-self.gate_dim], qkv[..., -self.gate_dim:]
         q = qkv[..., :q_dim]
         if self.qk_norm == "all":
             q = self.q_norm(q)
@@ -681,6 +684,8 @@ class Attention(nn.Module):
 
     def out(self, y: Tensor, gate: Optional[Tensor]) -> Tensor:
         """The output projection of the heads' outputs y [B, T, n_head * head_dim], gated where the model is."""
+        if gate is not None and self.head_gate:
+            return self.wo((y.unflatten(-1, (-1, self.head_dim)) * torch.sigmoid(gate)[..., None]).flatten(-2))
         return self.wo(y if gate is None else y * torch.sigmoid(gate))
 
     def keys_values(self, kv: Tensor, rope: Tensor) -> tuple:

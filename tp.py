@@ -122,12 +122,13 @@ def _shard_attention(attn: nn.Module, qk_norm, group, rank: int, world_size: int
     q_dim, kv_dim = attn.n_head * attn.head_dim, attn.n_local_heads * attn.head_dim
     # Contiguous blocks of query heads and of kv heads: each rank's query heads keep their GQA kv heads.
     kv_parts = 0 if attn.reads_kv else 1 if attn.values_are_keys else 2  # (Gemma 4)
-    gate = [q_dim] if attn.output_gate else []  # (Qwen3.5: a gate per query head's output, last)
+    gate = [attn.gate_dim] if attn.gate_dim else []  # (Qwen3.5's per query output, LFM3's per head; last)
     _shard_linear(attn.wqkv, "out", parts=[q_dim] + [kv_dim] * kv_parts + gate, **shard)
     _shard_linear(attn.wo, "in", **shard)
     if attn.sinks is not None:  # gpt-oss: one per query head, which split by blocks as wqkv's rows
         _replace(attn, "sinks", _take(attn.sinks, 0, rank, world_size))
     attn.n_head, attn.n_local_heads = attn.n_head // world_size, attn.n_local_heads // world_size
+    attn.gate_dim //= world_size
     if qk_norm == "all":  # OLMo 2 normalises q (k) over all heads, which now span the ranks
         attn.q_norm = ShardedRMSNorm(attn.q_norm, group, **shard)
         attn.k_norm = ShardedRMSNorm(attn.k_norm, group, **shard)

@@ -28,7 +28,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "gemm
              "smollm3", "olmo2", "olmo3", "exaone4", "granite", "seed_oss", "glm", "glm4", "gpt_oss", "ernie4_5",
              "ministral3", "cohere", "cohere2", "olmoe", "granitemoe", "qwen2_moe", "glm4_moe", "dots1", "minimax_m2",
              "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4", "gemma4_text", "qwen3_5_text",
-             "qwen3_5_moe_text", "qwen3_next", "lfm2", "lfm2_moe")
+             "qwen3_5_moe_text", "qwen3_next", "lfm2", "lfm2_moe", "lfm3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
 
@@ -87,6 +87,26 @@ _SANDWICH = {
     "model.layers.{}.post_feedforward_layernorm.weight": "layers.{}.post_ffn_norm.weight",
 }
 _POST = {k: v for k, v in _SANDWICH.items() if "pre_feedforward" not in k}
+# LFM2: its norms and attention named its own way, the short convolution's projections
+_LFM2 = {"model.embedding_norm.weight": "norm.weight",
+         "model.layers.{}.operator_norm.weight": "layers.{}.attention_norm.weight",
+         "model.layers.{}.ffn_norm.weight": "layers.{}.ffn_norm.weight",
+         **{f"model.layers.{{}}.feed_forward.{w}.weight": f"layers.{{}}.feed_forward.{w}.weight"
+            for w in ("w1", "w2", "w3")},
+         "model.layers.{}.self_attn.out_proj.weight": "layers.{}.attention.wo.weight",
+         "model.layers.{}.self_attn.q_layernorm.weight": "layers.{}.attention.q_norm.weight",
+         "model.layers.{}.self_attn.k_layernorm.weight": "layers.{}.attention.k_norm.weight",
+         "model.layers.{}.conv.in_proj.weight": "layers.{}.attention.w_in.weight",
+         "model.layers.{}.conv.conv.weight": "layers.{}.attention.conv",
+         "model.layers.{}.conv.out_proj.weight": "layers.{}.attention.wo.weight",
+         # LFM2-MoE's experts (the hub's one tensor each, or transformers 5's gate and up fused as
+         # [E, 2I, D]), router and its selection bias
+         **{f"model.layers.{{}}.feed_forward.experts.{{}}.{w}.weight": f"layers.{{}}.feed_forward.{w}.{{}}"
+            for w in ("w1", "w2", "w3")},
+         "model.layers.{}.feed_forward.gate.weight": "layers.{}.feed_forward.gate.weight",
+         "model.layers.{}.feed_forward.experts.gate_up_proj": "layers.{}.feed_forward.w13",
+         "model.layers.{}.feed_forward.experts.down_proj": "layers.{}.feed_forward.w2",
+         "model.layers.{}.feed_forward.expert_bias": "layers.{}.feed_forward.selection_bias"}
 FAMILY_WEIGHT_MAP = {
     "gemma2": _SANDWICH,
     "gemma3_text": _SANDWICH,
@@ -134,27 +154,15 @@ FAMILY_WEIGHT_MAP = {
         ("in_proj_a.weight", "w_a"), ("in_proj_qkvz.weight", "w_qkvz"), ("in_proj_ba.weight", "w_ba"),
         ("conv1d.weight", "conv"), ("A_log", "A_log"), ("dt_bias", "dt_bias"), ("norm.weight", "norm_weight"),
         ("out_proj.weight", "wo.weight"))} for family in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")},
-    # LFM2: its norms and attention named its own way, the short convolution's projections
-    **{family: {"model.embedding_norm.weight": "norm.weight",
-                "model.layers.{}.operator_norm.weight": "layers.{}.attention_norm.weight",
-                "model.layers.{}.ffn_norm.weight": "layers.{}.ffn_norm.weight",
-                **{f"model.layers.{{}}.feed_forward.{w}.weight": f"layers.{{}}.feed_forward.{w}.weight"
-                   for w in ("w1", "w2", "w3")},
-                "model.layers.{}.self_attn.out_proj.weight": "layers.{}.attention.wo.weight",
-                "model.layers.{}.self_attn.q_layernorm.weight": "layers.{}.attention.q_norm.weight",
-                "model.layers.{}.self_attn.k_layernorm.weight": "layers.{}.attention.k_norm.weight",
-                "model.layers.{}.conv.in_proj.weight": "layers.{}.attention.w_in.weight",
-                "model.layers.{}.conv.conv.weight": "layers.{}.attention.conv",
-                "model.layers.{}.conv.out_proj.weight": "layers.{}.attention.wo.weight",
-                # LFM2-MoE's experts (the hub's one tensor each, or transformers 5's gate and up fused as
-                # [E, 2I, D]), router and its selection bias
-                **{f"model.layers.{{}}.feed_forward.experts.{{}}.{w}.weight": f"layers.{{}}.feed_forward.{w}.{{}}"
-                   for w in ("w1", "w2", "w3")},
-                "model.layers.{}.feed_forward.gate.weight": "layers.{}.feed_forward.gate.weight",
-                "model.layers.{}.feed_forward.experts.gate_up_proj": "layers.{}.feed_forward.w13",
-                "model.layers.{}.feed_forward.experts.down_proj": "layers.{}.feed_forward.w2",
-                "model.layers.{}.feed_forward.expert_bias": "layers.{}.feed_forward.selection_bias"}
-      for family in ("lfm2", "lfm2_moe")},
+    **{family: _LFM2 for family in ("lfm2", "lfm2_moe")},
+    # LFM3: LFM2's convolutions, norms and feed-forward; Qwen3's attention names, a gate per head; norms
+    # after each sublayer too
+    "lfm3": {**_LFM2,
+             # (the hub's files name the gate gate_proj, transformers' module g_proj)
+             **{f"model.layers.{{}}.self_attn.{g}.weight": "layers.{}.attention.wgate.weight"
+                for g in ("gate_proj", "g_proj")},
+             "model.layers.{}.post_operator_norm.weight": "layers.{}.post_attention_norm.weight",
+             "model.layers.{}.post_ffn_norm.weight": "layers.{}.post_ffn_norm.weight"},
     # GLM-4: norms after each sublayer too, named its own way.
     "glm4": {"model.layers.{}.post_self_attn_layernorm.weight": "layers.{}.post_attention_norm.weight",
              "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
@@ -189,6 +197,11 @@ HF_DEFAULTS = {
     "lfm2": dict(tie_word_embeddings=True, norm_eps=1e-5, conv_L_cache=3),
     "lfm2_moe": dict(tie_word_embeddings=True, norm_eps=1e-5, conv_L_cache=3, use_expert_bias=True,
                      norm_topk_prob=True, num_dense_layers=2),
+    "lfm3": dict(tie_word_embeddings=True, norm_eps=1e-5, conv_L_cache=7, head_dim=128, sliding_window=256,
+                 use_sandwich_norm=True, use_attention_gate=True, rope_parameters={
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                     "full_attention": {"rope_type": "proportional", "rope_theta": 1_000_000.0,
+                                        "partial_rotary_factor": 0.5}}),
     "qwen3": dict(max_window_layers=28),
     "qwen3_moe": dict(max_window_layers=28, norm_topk_prob=False, decoder_sparse_step=1),
     "qwen2_moe": dict(max_window_layers=28, norm_topk_prob=False, decoder_sparse_step=1, qkv_bias=True),
@@ -240,7 +253,8 @@ MLA = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4")
 # selection bias (V2 and Mistral 4 route by softmax)
 DEEPSEEK_MOE = ("glm4_moe", "dots1") + MLA
 SIGMOID_ROUTER = ("glm4_moe", "dots1", "minimax_m2", "deepseek_v3", "glm4_moe_lite", "lfm2_moe")
-LFM2 = ("lfm2", "lfm2_moe")  # LFM2's short convolutions (linear_attention "short_conv") beside attention
+# LFM2's short convolutions (linear_attention "short_conv") beside attention; LFM3's too
+LFM2 = ("lfm2", "lfm2_moe", "lfm3")
 MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "granitemoe", "minimax_m2", "qwen3_5_moe_text",
        "qwen3_next", "lfm2_moe") + DEEPSEEK_MOE
 # Checkpoints that keep multi-token-prediction layers after the last (GLM-4.5's, DeepSeek V3's): brisk
@@ -296,7 +310,7 @@ def config_from_hf(hf: dict) -> ModelArgs:
     act = hf.get(act_key, "silu")
     if act not in ACTIVATIONS:
         raise ValueError(f"unsupported {act_key} {act!r}; supported: {', '.join(ACTIVATIONS)}")
-    gemma4 = model_type == "gemma4_text"
+    gemma4, lfm3 = model_type == "gemma4_text", model_type == "lfm3"
     if gemma4 and hf.get("use_bidirectional_attention") == "all":  # ("vision" concerns image tokens only)
         raise ValueError('unsupported use_bidirectional_attention="all" in the gemma4_text config.json')
     for key in ("mlp_bias", "attention_out_bias", "use_bias", "clip_qkv") + (
@@ -324,8 +338,7 @@ def config_from_hf(hf: dict) -> ModelArgs:
     if model_type in LFM2:
         if hf.get("conv_bias"):
             raise ValueError(f"unsupported conv_bias=true in the {model_type} config.json")
-        types = hf.get("layer_types") or ["full_attention" if i in hf.get("full_attn_idxs", range(n_layer))
-                                          else "conv" for i in range(n_layer)]
+        types = lfm_layer_types(hf, model_type)
         linear_layers = [i for i, t in enumerate(types) if t == "conv"] or None
         if model_type == "lfm2_moe":
             dense = list(range(min(hf["num_dense_layers"], n_layer))) or None
@@ -405,8 +418,8 @@ def config_from_hf(hf: dict) -> ModelArgs:
                  "olmo2": "all", "olmo3": "all", "olmoe": "all", "minimax_m2": "all"}.get(model_type),
         norm_offset=1.0 if gemma or linear else 0.0,
         norm_centered=model_type in COHERE,
-        block_norms=("sandwich" if gemma or gemma4 or model_type == "glm4" else "post" if model_type in POST_NORMS else
-                     "parallel" if model_type in COHERE else "pre"),
+        block_norms=("sandwich" if gemma or gemma4 or model_type == "glm4" or lfm3 and hf["use_sandwich_norm"] else
+                     "post" if model_type in POST_NORMS else "parallel" if model_type in COHERE else "pre"),
         hidden_act=ACTIVATIONS[act],
         embedding_scale=(hf["hidden_size"] ** 0.5 if gemma or gemma4 else hf["embedding_multiplier"] if granite
                          else None),
@@ -440,7 +453,19 @@ def config_from_hf(hf: dict) -> ModelArgs:
                 linear_key_dim=hf["linear_key_head_dim"], linear_value_dim=hf["linear_value_head_dim"],
                 linear_conv_kernel=hf["linear_conv_kernel_dim"], attention_output_gate=True) if linear else {}),
         **(dict(linear_attention="short_conv", linear_conv_kernel=hf["conv_L_cache"]) if model_type in LFM2 else {}),
+        attention_head_gate=lfm3 and bool(hf["use_attention_gate"]),
     )
+
+
+def lfm_layer_types(hf: dict, model_type: str) -> list:
+    """LFM2's / LFM3's layer_types, as transformers makes them where config.json leaves them out."""
+    n = hf["num_hidden_layers"]
+    if hf.get("layer_types"):
+        return hf["layer_types"]
+    if model_type == "lfm3":  # attention on layers 2, 6, 10, ... and windowed on 4, 8, ...
+        return ["full_attention" if i % 4 == 2 else "sliding_attention" if i % 4 == 0 and i > 0 else "conv"
+                for i in range(n)]
+    return ["full_attention" if i in hf.get("full_attn_idxs", range(n)) else "conv" for i in range(n)]
 
 
 def lfm2_mlp_size(hf: dict) -> int:
@@ -530,7 +555,7 @@ def rope_from_hf(hf: dict, model_type: str) -> tuple:
                          "supported: default")
     if model_type == "gemma3_text":
         rope_local_base = float((local or {}).get("rope_theta", hf["rope_local_base_freq"]))
-    if model_type == "gemma4_text":
+    if model_type in ("gemma4_text", "lfm3"):
         rope_local_base = float((local or {}).get("rope_theta", 10_000.0))
     if model_type == "olmo3":  # a hub config's rope_scaling applies to the full-attention layers only
         local_base = float((local or {}).get("rope_theta", rope_base))
@@ -569,6 +594,8 @@ def sliding_window_from_hf(hf: dict, model_type: str) -> tuple:
                      for i in range(n)]
         elif model_type == "gemma4_text":  # 5 local layers, then a global one
             types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+        elif model_type == "lfm3":
+            types = lfm_layer_types(hf, model_type)
         elif model_type == "smollm3":
             raise ValueError("smollm3 with use_sliding_window=true needs layer_types in config.json")
         else:  # Qwen2 / Qwen3: the layers from max_window_layers on
@@ -677,8 +704,8 @@ def convert_state_dict(hf_state: dict, config: ModelArgs, model_type: str = "lla
         for kind in ("weight", "bias") if not (config.kv_lora_rank or linear) else ():
             names = "q" if config.kv_source(i) is not None else "qk" if config.attention_shape(i)[2] else "qkv"
             parts = [state.pop(p + f"w{x}.{kind}", None) for x in names]
-            if config.attention_output_gate and kind == "weight":
-                parts.append(state.pop(p + "wgate.weight"))
+            if (config.attention_output_gate or config.attention_head_gate) and kind == "weight":
+                parts.append(state.pop(p + "wgate.weight", None))
             if all(t is not None for t in parts):
                 state[p + f"wqkv.{kind}"] = torch.cat(parts)
             elif any(t is not None for t in parts):

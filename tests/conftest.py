@@ -193,6 +193,12 @@ FAMILIES = {
     "lfm2_moe": ("Lfm2MoeForCausalLM", "Lfm2MoeConfig", dict(
         num_hidden_layers=3, num_key_value_heads=2, moe_intermediate_size=32, num_dense_layers=1, num_experts=4,
         num_experts_per_tok=2, norm_eps=1e-5, layer_types=["conv", "full_attention", "conv"])),
+    # LFM3: LFM2's convolutions (7 taps); attention windowed (8) with RoPE on one layer, full with proportional
+    # RoPE on half the pairs on another; a sigmoid gate per head, norms after each sublayer too.
+    "lfm3": ("Lfm3ForCausalLM", "Lfm3Config", dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, norm_eps=1e-5,
+        sliding_window=8, layer_types=["conv", "sliding_attention", "full_attention", "conv"], pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)),
     # Granite 3's multipliers (its 8B: 12, 1/128, 0.22, 16); untied: the tests' wide random
     # embeddings, times 12 and tied, would make greedy repeat the last token.
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(

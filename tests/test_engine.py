@@ -191,7 +191,7 @@ def test_staggered_arrivals(tiny):
 @pytest.mark.parametrize("family", ["mistral", "mixtral", "gemma2", "gemma3", "qwen3_moe", "phi3", "olmo2", "gpt_oss",
                                     "ministral3", "cohere2", "qwen2_moe", "glm4_moe", "deepseek_v3",
                                     "mistral4", "gemma4", "gemma4_moe", "gemma4_e2b", "qwen3_5", "qwen3_next",
-                                    "lfm2", "lfm2_moe"])
+                                    "lfm2", "lfm2_moe", "lfm3"])
 def test_sliding_window_and_moe(tiny, family):
     """Windows far shorter than the prompts (on alternating layers for Gemma, with soft-capping for
     Gemma 2), experts, q/k norms, fused projections, gpt-oss's sinks and biased experts through the engine."""

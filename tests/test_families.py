@@ -21,7 +21,7 @@ NEW_FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "phi4_longrope
                 "exaone4", "seed_oss", "glm4", "glm", "gpt_oss", "ernie4_5", "ministral3", "cohere",
                 "cohere2", "olmoe", "granitemoe", "qwen2_moe", "granite", "glm4_moe", "dots1", "minimax_m2",
                 "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "mistral4", "gemma4", "gemma4_moe",
-                "gemma4_e2b", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe"]
+                "gemma4_e2b", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe", "lfm3"]
 
 # Further configurations of each family: family, overrides of its FAMILIES entry.
 VARIANTS = {
@@ -162,6 +162,10 @@ EXPECTED_CONFIG = {
     "lfm2_moe": dict(linear_attention_layers=[0, 2], linear_attention="short_conv", num_experts=4,
                      moe_intermediate_size=32, dense_layers=[0], router="sigmoid", expert_selection_bias=True,
                      norm_topk_prob=True),
+    "lfm3": dict(linear_attention_layers=[0, 3], linear_attention="short_conv", linear_conv_kernel=7,
+                 intermediate_size=96, qk_norm="head", block_norms="sandwich", attention_head_gate=True,
+                 sliding_window=8, sliding_window_layers=[1], rope_local_base=10000.0, rope_dim=16,
+                 rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5}, rope_base=1000000.0),
     "mistral4": dict(kv_lora_rank=16, router="softmax", expert_selection_bias=False, expert_groups=2,
                      expert_group_top=2, query_scale_beta=0.1, query_scale_length=8),
 }
@@ -313,8 +317,18 @@ def test_yarn_in_the_hubs_form():
     assert (config.rope_base, config.rope_local_base, config.rope_scaling["factor"]) == (5e5, 5e5, 8.0)
 
 
+def test_lfm3_config_without_layer_types_or_rope():
+    """An LFM3 config.json that leaves out layer_types and rope_parameters converts as transformers fills
+    them in (attention on layers 2, 6, 10, windowed on 4 and 8; proportional RoPE on the full ones)."""
+    hf = make_hf_model("lfm3", num_hidden_layers=12, layer_types=None).config.to_dict()
+    full = config_from_hf(hf)
+    assert (full.linear_attention_layers, full.sliding_window_layers) == ([0, 1, 3, 5, 7, 9, 11], [4, 8])
+    del hf["layer_types"], hf["rope_parameters"]
+    assert config_from_hf(hf) == full
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "cohere2", "qwen2_moe", "glm4_moe", "deepseek_v3", "gemma4",
-                                    "gemma4_moe", "gemma4_e2b", "qwen3_5", "qwen3_next"])
+                                    "gemma4_moe", "gemma4_e2b", "qwen3_5", "qwen3_next", "lfm3"])
 def test_packed_for_the_cpu_matches_transformers(family, tmp_path):
     """Packed for kernels.cpp, what its kernels do not do stays model.py's: gpt-oss's attention with
     sinks (its biased o_proj on the packed products), Cohere's LayerNorms (rowwise.cpp's norm does not

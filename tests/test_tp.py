@@ -91,6 +91,8 @@ def checkpoints(tmp_path_factory):
         "qwen3_5": save_and_convert(make_hf_model("qwen3_5"), root / "qwen3_5"),
         # LFM2's convolution: its channels split, each rank's state its channels'.
         "lfm2_moe": save_and_convert(make_hf_model("lfm2_moe"), root / "lfm2_moe"),
+        # LFM3: a gate per head, split with its query heads; a window on one layer.
+        "lfm3": save_and_convert(make_hf_model("lfm3"), root / "lfm3"),
     }
     paths["qwen2_int8"] = quantize.quantize_checkpoint(paths["qwen2"], "int8")
     paths["qwen3_5_int8"] = quantize.quantize_checkpoint(paths["qwen3_5"], "int8")
@@ -119,7 +121,7 @@ def tp_results(checkpoints, tmp_path_factory):
                                   "qwen3_moe_int8:dequant", "gpt_oss", "gpt_oss_int8:dequant", "cohere2",
                                   "qwen2_moe", "glm4_moe", "glm4_moe_int8:dequant", "deepseek_v3",
                                   "deepseek_v3_int8:dequant", "gemma4", "gemma4_moe", "gemma4_moe_int8:dequant",
-                                  "gemma4_e2b", "qwen3_5", "qwen3_5_int8:dequant", "lfm2_moe"])
+                                  "gemma4_e2b", "qwen3_5", "qwen3_5_int8:dequant", "lfm2_moe", "lfm3"])
 def test_tp_matches_single_process(name, checkpoints, tp_results):
     """Sharded == whole to fp32 precision (quantized layers on the fp32 dequantize path)."""
     name, _, variant = name.partition(":")
