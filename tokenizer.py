@@ -19,6 +19,9 @@ from typing import Optional
 HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>")
 # Gemma 4's (its template writes <|tool_call>): a thought channel, tool calls and their strings' quotes.
 GEMMA4_MARKERS = ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>')
+# LFM2's / LFM2.5's (their templates list the tools after "List of tools:"): the markers around its calls.
+LFM_MARKERS = ("<|tool_call_start|>", "<|tool_call_end|>")
+LFM_TOOLS = "List of tools:"
 
 
 class Tokenizer:
@@ -134,7 +137,7 @@ class HFTokenizer(Tokenizer):
             self.add_bos = self.bos_id is not None and with_special[:1] == [self.bos_id]
         template = self.chat_template or ""
         markers = (HARMONY_MARKERS if "<|channel|>" in template else GEMMA4_MARKERS if "<|tool_call>" in template
-                   else ())
+                   else LFM_MARKERS if LFM_TOOLS in template else ())
         self.kept = {self.token_id(m): m for m in markers if self.token_id(m) is not None}
 
     def token_id(self, token: str) -> Optional[int]:

@@ -30,6 +30,7 @@ llama.cpp's server does it), so a call read back parses.
     Request(ids, 256, grammar=grammar, grammar_trigger=trigger)
     content, calls = tools.parse(answer_text)
 """
+import ast
 import json
 import re
 import uuid
@@ -37,9 +38,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from reasoning import CHANNEL, MESSAGE, START
-from structured import WHITESPACE, lark_grammar, pattern_regex
+from structured import WHITESPACE, lark_grammar, lark_literal, pattern_regex
+from tokenizer import LFM_MARKERS, LFM_TOOLS
 
-HERMES, XML, JSON, HARMONY, GEMMA4 = "hermes", "xml", "json", "harmony", "gemma4"
+HERMES, XML, JSON, HARMONY, GEMMA4, PYTHON = "hermes", "xml", "json", "harmony", "gemma4", "python"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION = "<function="  # (XML's call: <function=NAME> then <parameter=KEY>\nVALUE\n</parameter> each)
 # Gemma 4's call, in special tokens: <|tool_call>call:NAME{key:value,...}<tool_call|>, its values JSON's
@@ -55,6 +57,8 @@ garray: "[" (gvalue ("," gvalue)*)? "]"
 GKEY: /[^:{}\[\],<]+/
 GTEXT: /[\\s\\S]+/
 GSCALAR: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?|true|false|null/"""
+# LFM2's calls: a Python list of calls by keyword, `[name(key="text", n=3), ...]`, between its markers
+PY_OPEN, PY_CLOSE = LFM_MARKERS
 # Where a bare JSON call starts: an answer that opens with {"name" (or a list of such), the grammar
 # taking over at its brace (engine.py's grammar_trigger: a pattern's group).
 JSON_CALL = re.compile(r'^\s*((?:\[\s*)?\{\s*"name")')
@@ -137,10 +141,12 @@ class Tools:
     choice: str            # "auto", "required", or the one function's name that must be called
     parallel: bool         # more than one call in an answer
     native: bool           # the chat template takes `tools`
-    style: str             # HERMES, XML, JSON or HARMONY
+    style: str             # HERMES, XML, JSON, HARMONY, GEMMA4 or PYTHON
     arguments_key: str = "arguments"
     system: bool = True    # the chat template takes a system message (Gemma 2's refuses one)
     short_ids: bool = False  # call ids of 9 characters: Mistral's templates refuse any other
+    # PYTHON: the Lark of its call markers as this tokenizer writes them (special tokens or text)
+    markers: tuple = ("", "")
     schemas: dict = field(init=False)  # function name -> its parameters' schema
 
     def __post_init__(self):
@@ -173,14 +179,21 @@ class Tools:
         style = (HARMONY if native and CHANNEL in tokenizer.chat_template else
                  GEMMA4 if native and CALL_OPEN in tokenizer.chat_template else
                  XML if native and FUNCTION in tokenizer.chat_template else
+                 PYTHON if native and LFM_TOOLS in tokenizer.chat_template else
                  HERMES if not native or OPEN in tokenizer.chat_template else JSON)
         key = "parameters" if style == JSON and '"parameters"' in tokenizer.chat_template else "arguments"
+        markers = tuple(lark_literal(tokenizer, m) for m in LFM_MARKERS) if style == PYTHON else ("", "")
         return cls(specs, choice, parallel, native, style, key, native or takes_system(tokenizer),
-                   "[TOOL_CALLS]" in tokenizer.chat_template)
+                   "[TOOL_CALLS]" in tokenizer.chat_template, markers)
 
     @property
     def forced(self) -> bool:
         return self.choice != "auto"
+
+    @property
+    def call_tags(self) -> tuple:
+        """The tags a call's text stands between (those of the tagged styles)."""
+        return {GEMMA4: (CALL_OPEN, CALL_CLOSE), PYTHON: (PY_OPEN, PY_CLOSE)}.get(self.style, (OPEN, CLOSE))
 
     # -- the prompt --------------------------------------------------------------------------
 
@@ -191,7 +204,7 @@ class Tools:
     def messages(self, messages: list) -> list:
         """The conversation as this template should see it (see template_messages), the tools in a
         system message where the template takes none."""
-        messages = template_messages(messages, self.native)
+        messages = template_messages(messages, self.native, self.style == PYTHON)
         if self.native:
             return messages
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in self.specs)
@@ -234,6 +247,16 @@ class Tools:
             if answer:  # calls, or an answer that follows the schema
                 return held(f"(<|tool_call> {calls} | answer)", rules)
             return lark_grammar(f"start: {calls}{rules}"), CALL_OPEN  # held from <|tool_call> on
+        if self.style == PYTHON:  # one list of calls between the markers
+            opening, closing = self.markers
+            more = ' ("," " "? call)*' if many else ""
+            calls = f'"[" call{more} "]" {closing}'
+            rules = "\n" + self.python_rules(names)
+            if self.forced:
+                return held(f"{opening} {calls}", rules)
+            if answer:
+                return held(f"({opening} {calls} | answer)", rules)
+            return lark_grammar(f"start: {calls}{rules}"), PY_OPEN  # held from the opening marker on
         call, rules = f"%json {json.dumps(self.call_schema(names), ensure_ascii=False)}", ""
         if self.style == XML:
             call, rules = "function", self.xml_rules(names)
@@ -283,6 +306,22 @@ class Tools:
             rules.append(f'function{k}: {head} {" ".join(parts)} "</function>"')
         return "\n" + "\n".join(rules)
 
+    def python_rules(self, names: list) -> str:
+        """Lark rules of an LFM2 call (rule `call`) to one of `names`: `name(key=value, ...)`, its
+        arguments by keyword in the schema's order, the required ones always, each value JSON of its
+        schema (a JSON string is a Python one; true, false and null are read as Python's)."""
+        rules = ["call: " + " | ".join(f"function{k}" for k in range(len(names)))]
+        for k, name in enumerate(names):
+            schema, items = self.schemas[name], []
+            required = set(schema.get("required") or ())
+            for j, (key, sub) in enumerate((schema.get("properties") or {}).items()):
+                rules.append(f"argument{k}_{j}: {json.dumps(key + '=')} %json {json.dumps(sub, ensure_ascii=False)}")
+                items.append((f"argument{k}_{j}", key in required))
+            if not schema.get("properties") and schema.get("additionalProperties", True) is not False:
+                items.append(('PKEY "=" pvalue ("," " "? PKEY "=" pvalue)*', False))  # any arguments
+            rules.append(f'function{k}: {json.dumps(name + "(")} {in_order(items, SPACED) or ""} ")"')
+        return "\n".join(rules) + '\nPKEY: /[A-Za-z_][A-Za-z0-9_]*/\npvalue: %json {}'
+
     def harmony_rules(self, names: list) -> str:
         """A Lark grammar of a harmony call from its recipient's name on: the name (one of `names`),
         the rest of its header (a channel, `<|constrain|>json`), the arguments as JSON of its schema.
@@ -329,7 +368,7 @@ class Tools:
     def parse(self, text: str) -> tuple:
         """An answer -> (its text outside the calls, the calls as OpenAI's tool_calls entries).
         A call that does not parse or names no tool leaves the whole answer as text."""
-        found = (self._tagged(text) if self.style in (HERMES, XML, GEMMA4) else self._harmony(text)
+        found = (self._tagged(text) if self.style in (HERMES, XML, GEMMA4, PYTHON) else self._harmony(text)
                  if self.style == HARMONY else self._json(text))
         if found is None:
             return text, []
@@ -345,15 +384,17 @@ class Tools:
         return outside, calls
 
     def _tagged(self, text: str) -> Optional[tuple]:
-        """Calls between tags: hermes' JSON or Qwen3.5's XML in <tool_call>, Gemma 4's in <|tool_call>."""
-        opening, closing = (CALL_OPEN, CALL_CLOSE) if self.style == GEMMA4 else (OPEN, CLOSE)
-        read = {HERMES: json.loads, XML: self._xml_call, GEMMA4: gemma_call}[self.style]
+        """Calls between tags: hermes' JSON or Qwen3.5's XML in <tool_call>, Gemma 4's in <|tool_call>,
+        LFM2's list of them in <|tool_call_start|>."""
+        opening, closing = self.call_tags
+        read = {HERMES: json.loads, XML: self._xml_call, GEMMA4: gemma_call, PYTHON: python_calls}[self.style]
         blocks, outside, at = [], [], 0
         while (i := text.find(opening, at)) >= 0:
             outside.append(text[at:i])
             j = text.find(closing, i)
             try:
-                blocks.append(read(text[i + len(opening): j if j >= 0 else len(text)]))
+                found = read(text[i + len(opening): j if j >= 0 else len(text)])
+                blocks += found if self.style == PYTHON else [found]
             except ValueError:  # (json's errors are ValueErrors too)
                 if j >= 0:
                     return None
@@ -446,10 +487,11 @@ class ToolStream:
         if self.tools.style == JSON:  # a call is the whole answer: its first character tells
             head = self.text.lstrip()
             return 0 if self.shown == 0 and (not head or head[0] in "{[") else len(self.text)
-        if (i := self.text.find(OPEN, self.shown)) >= 0:  # nothing shown is a tag's start: look past it
+        opening = self.tools.call_tags[0]
+        if (i := self.text.find(opening, self.shown)) >= 0:  # nothing shown is a tag's start: look past it
             return i
-        for k in range(min(len(OPEN) - 1, len(self.text)), 0, -1):  # a tail that may be the tag's start
-            if self.text.endswith(OPEN[:k]):
+        for k in range(min(len(opening) - 1, len(self.text)), 0, -1):  # a tail that may be the tag's start
+            if self.text.endswith(opening[:k]):
                 return len(self.text) - k
         return len(self.text)
 
@@ -480,18 +522,70 @@ def string_bounds(schema: dict) -> str:
     return " & ".join(bounds)
 
 
-def in_order(items: list) -> Optional[str]:
+SPACED = '"," " "?'  # LFM2's separator of arguments: a comma, a space after it or not
+
+
+def in_order(items: list, comma: str = '","') -> Optional[str]:
     """A Lark expression of (item, required) pairs in their order, joined by commas, the optional
     ones left out or not (None: nothing to write)."""
     if not items:
         return None
     (item, required), rest = items[0], items[1:]
-    after = " ".join(f'("," {x})' + ("" if r else "?") for x, r in rest)
+    after = " ".join(f'({comma} {x})' + ("" if r else "?") for x, r in rest)
     written = f"{item} {after}".strip()
     if required:
         return written
-    skipped = in_order(rest)
+    skipped = in_order(rest, comma)
     return f"({written} | {skipped})" if skipped else f"({written})?"
+
+
+def python_calls(body: str) -> list:
+    """LFM2's `[name(key=value, ...), ...]` -> [{"name", "arguments"}], the values Python's literals or
+    JSON's (true, false, null); ValueError where it is no such list."""
+    try:
+        tree = ast.parse(body.strip(), mode="eval").body
+    except SyntaxError:
+        raise ValueError("not a list of Python calls") from None
+    if not isinstance(tree, ast.List) or not all(
+            isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and not c.args and
+            all(k.arg is not None for k in c.keywords) for c in tree.elts):
+        raise ValueError("not a list of Python calls by keyword")
+    return [{"name": c.func.id, "arguments": {k.arg: python_value(k.value) for k in c.keywords}}
+            for c in tree.elts]
+
+
+PYTHON_NAMES = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
+
+
+def python_value(node: ast.AST):
+    """A literal's node -> its value (JSON's names for True, False and None too); ValueError otherwise."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, (str, int, float, bool, type(None))):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in PYTHON_NAMES:
+        return PYTHON_NAMES[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) and \
+            isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float):
+        return -node.operand.value if isinstance(node.op, ast.USub) else node.operand.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [python_value(x) for x in node.elts]
+    if isinstance(node, ast.Dict) and all(k is not None for k in node.keys):
+        return {python_value(k): python_value(v) for k, v in zip(node.keys, node.values)}
+    raise ValueError("not a literal")
+
+
+def python_call_text(calls: list) -> str:
+    """Calls (name, arguments) as LFM2 writes them: `<|tool_call_start|>[name(key="text", n=3)]<|tool_call_end|>`
+    (strings as JSON's, which Python reads alike; booleans and None as Python's)."""
+    def literal(v):
+        if isinstance(v, bool) or v is None:
+            return repr(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(map(literal, v)) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{json.dumps(str(k), ensure_ascii=False)}: {literal(x)}" for k, x in v.items()) + "}"
+        return json.dumps(v, ensure_ascii=False)
+    written = [f"{name}({', '.join(f'{k}={literal(v)}' for k, v in args.items())})" for name, args in calls]
+    return f"{PY_OPEN}[{', '.join(written)}]{PY_CLOSE}"
 
 
 def gemma_call(body: str) -> dict:
@@ -541,16 +635,21 @@ def hermes_call(name: str, arguments: dict) -> str:
     return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}"
 
 
-def template_messages(messages: list, native: bool) -> list:
+def template_messages(messages: list, native: bool, python: bool = False) -> list:
     """Checked OpenAI messages -> what a chat template reads. A template that takes tools gets the
     calls as transformers documents them (arguments as objects) and the results in their own role;
     one that does not gets the calls as hermes text in the assistant's turn and the results as a
-    user turn (consecutive results, and a user message after them, in one)."""
+    user turn (consecutive results, and a user message after them, in one). python: an LFM2 template,
+    which writes an assistant's content alone: the calls as its text, after the content."""
     out = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = [(c, json.loads(c["function"]["arguments"])) for c in m["tool_calls"]]
-            if native:
+            if python:
+                text = python_call_text([(c["function"]["name"], args) for c, args in calls])
+                m = {k: v for k, v in m.items() if k != "tool_calls"}
+                m["content"] = (m.get("content") or "") + text
+            elif native:
                 m = {**m, "content": m.get("content") or "", "tool_calls": [
                     {**c, "function": {**c["function"], "arguments": args}} for c, args in calls]}
             else:
@@ -635,5 +734,6 @@ def encode_conversation(tokenizer, messages: list, tools: Optional[Tools] = None
     variables (chat_template_kwargs)."""
     if tools is not None:
         return tokenizer.encode_chat(tools.messages(messages), tools=tools.template_tools, variables=variables)
-    return tokenizer.encode_chat(template_messages(messages, tokenizer.chat_template_takes("tools")),
-                                 variables=variables)
+    native = tokenizer.chat_template_takes("tools")
+    python = native and LFM_TOOLS in (tokenizer.chat_template or "")
+    return tokenizer.encode_chat(template_messages(messages, native, python), variables=variables)

@@ -89,6 +89,22 @@ GEMMA4_TEMPLATE = (
 GEMMA4_MARKERS = ["<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", '<|"|>',
                   "<|tool_response>", "<tool_response|>", "<|channel>", "<channel|>"]
 
+# LFM2's way: the tools listed in the system turn after "List of tools:", an assistant's content written as
+# it is (its calls a Python list between <|tool_call_start|> and <|tool_call_end|> in it), results between
+# <|tool_response_start|> and <|tool_response_end|>; the markers special tokens.
+LFM_TEMPLATE = (
+    "{% set ns = namespace(system='') %}{% if messages[0].role == 'system' %}{% set ns.system = messages[0].content %}"
+    "{% set messages = messages[1:] %}{% endif %}{% if tools %}{% set ns.system = ns.system + "
+    "('\\n' if ns.system else '') + 'List of tools: <|tool_list_start|>[' %}{% for t in tools %}"
+    "{% set ns.system = ns.system + (t | tojson) + (', ' if not loop.last else '') %}{% endfor %}"
+    "{% set ns.system = ns.system + ']<|tool_list_end|>' %}{% endif %}"
+    "{% if ns.system %}<|im_start|>system\n{{ ns.system }}<|im_end|>\n{% endif %}{% for m in messages %}"
+    "<|im_start|>{{ m.role }}\n{% if m.role == 'tool' %}<|tool_response_start|>{{ m.content }}<|tool_response_end|>"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}")
+LFM_MARKERS = ["<|tool_list_start|>", "<|tool_list_end|>", "<|tool_call_start|>", "<|tool_call_end|>",
+               "<|tool_response_start|>", "<|tool_response_end|>", "<|im_start|>", "<|im_end|>"]
+
 PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}assistant:{% endif %}")
 
@@ -154,6 +170,24 @@ def gemma4(tmp_path_factory):
     return path, load_model(path), load_tokenizer(root)
 
 
+@pytest.fixture(scope="module")
+def lfm(tmp_path_factory):
+    """(checkpoint, model, tokenizer) of the tiny model whose tokenizer has LFM2's markers as special tokens
+    and LFM_TEMPLATE."""
+    from conftest import save_tokenizer
+    root = tmp_path_factory.mktemp("lfm")
+    path = chat_checkpoint(root, LFM_TEMPLATE, context=2048)
+    hf_tok = save_tokenizer(root / "hf")
+    hf_tok.add_special_tokens({"additional_special_tokens": LFM_MARKERS})
+    hf_tok.save_pretrained(root)
+    set_chat_template(root, LFM_TEMPLATE)
+    return path, load_model(path), load_tokenizer(root)
+
+
+# The checkpoint fixture each template's tests run on (the others: tiny's)
+OWN_FIXTURE = {GEMMA4_TEMPLATE: "gemma4", LFM_TEMPLATE: "lfm"}
+
+
 def tokenizer_with(path, template):
     tokenizer = load_tokenizer(path.parent)
     tokenizer.chat_template = template
@@ -177,6 +211,32 @@ def test_prompt_is_what_transformers_renders(tiny, template):
                                               add_generation_prompt=True)
     assert "<number> & shade" in theirs and "colour's" in theirs
     assert ours == tokenizer.encode(theirs, bos=False)
+
+
+def test_prompt_for_a_template_that_writes_calls_as_content(lfm):
+    """LFM2's template takes tools but writes an assistant's content alone: the conversation's call goes in
+    as its Python text, what transformers renders from a message holding that text; read back, the same call."""
+    from tools import PY_CLOSE, PY_OPEN, python_calls
+    _, _, tokenizer = lfm
+    from transformers import PreTrainedTokenizerFast
+    hf_tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(lfm[0].parent / "tokenizer.json"),
+                                           chat_template=LFM_TEMPLATE)
+    tools = Tools.read([PICK, COUNT], None, True, tokenizer)
+    assert tools.style == "python"
+    ours = encode_conversation(tokenizer, read_messages(CONVERSATION), tools)
+    messages = json.loads(json.dumps(CONVERSATION))
+    messages[2] = {"role": "assistant", "content": f'{PY_OPEN}[pick(color="red", n=3)]{PY_CLOSE}'}
+    theirs = hf_tokenizer.apply_chat_template(messages, tools=[PICK, COUNT], tokenize=False, add_generation_prompt=True)
+    assert "List of tools: <|tool_list_start|>[" in theirs and ours == tokenizer.encode(theirs, bos=False)
+    assert encode_conversation(tokenizer, read_messages(CONVERSATION)) == tokenizer.encode(
+        hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), bos=False)
+    nested = {"id": "c", "type": "function", "function": {"name": "note", "arguments": json.dumps(
+        {"text": 'a "b"\n', "tags": ["a", None, True, {"x": -1.5}]})}}
+    prompt = tokenizer.decode(encode_conversation(tokenizer, read_messages(
+        [{"role": "user", "content": "Note it."}, {"role": "assistant", "content": "Sure.", "tool_calls": [nested]}])))
+    assert "Sure." + PY_OPEN in prompt
+    written = prompt[prompt.index(PY_OPEN) + len(PY_OPEN):prompt.index(PY_CLOSE)]
+    assert python_calls(written) == [{"name": "note", "arguments": json.loads(nested["function"]["arguments"])}]
 
 
 def test_prompt_for_a_template_without_tools(tiny):
@@ -298,6 +358,27 @@ def test_parse_gemma4(gemma4):
     assert gemma_call(written) == {"name": "note", "arguments": {"tags": ["a"], "text": "a:b"}}
 
 
+def test_parse_python(lfm):
+    """LFM2's calls: a Python list of calls by keyword between its markers (special tokens the decoded
+    text keeps), values Python's literals or JSON's; text before them is content; what is no such list,
+    or names no tool, leaves the answer as text."""
+    _, _, tokenizer = lfm
+    tools = Tools.read([PICK, COUNT, NOTE], "auto", True, tokenizer)
+    text = ('Let me see.<|tool_call_start|>[pick(color="red", n=3), note(text=\'12 < 13,\\n"q"\', '
+            'tags=["a", {"x": -1.5e2, "y": null}], ok=True)]<|tool_call_end|>')
+    ids = tokenizer.encode(text, bos=False)
+    assert tokenizer.decode(ids) == text and tokenizer.token_id("<|tool_call_start|>") in ids
+    content, calls = tools.parse(tokenizer.decode(ids))
+    assert content == "Let me see."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("pick", {"color": "red", "n": 3}),
+         ("note", {"text": '12 < 13,\n"q"', "tags": ["a", {"x": -150.0, "y": None}], "ok": True})]
+    for bad in ["<|tool_call_start|>[fly()]<|tool_call_end|>", "<|tool_call_start|>[pick('red')]<|tool_call_end|>",
+                "<|tool_call_start|>pick(n=1)<|tool_call_end|>", "<|tool_call_start|>[pick(n=f())]<|tool_call_end|>",
+                "no call here"]:
+        assert tools.parse(bad) == (bad, [])
+
+
 def test_call_ids_a_mistral_template_takes(tiny):
     """Mistral's templates write [TOOL_CALLS] and refuse a call id that is not 9 characters: the
     calls read back get such ids, and a conversation holding them renders."""
@@ -350,7 +431,8 @@ def lazy_grammar_accepts(tokenizer, model):
 
     def accepted(tools, text):
         grammar, trigger = tools.grammar()
-        assert trigger == {JSON: JSON_CALL, "gemma4": "<|tool_call>"}.get(tools.style, "<tool_call>")
+        assert trigger == {JSON: JSON_CALL, "gemma4": "<|tool_call>", "python": "<|tool_call_start|>"}.get(
+            tools.style, "<tool_call>")
         constraint = Constraint(table, grammar)
         for t in token_ids(tokenizer, text):
             if not constraint.allowed("cpu")[t]:
@@ -465,8 +547,9 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
     (JSON_TEMPLATE, '{"name": "pick", "parameters": {"color": "blue", "n": 7}}'),
     (XML_TEMPLATE, '<tool_call>\n<function=pick>\n<parameter=color>\nblue\n</parameter>\n<parameter=n>\n7\n'
                    '</parameter>\n</function>\n</tool_call>'),
-    (GEMMA4_TEMPLATE, '<|tool_call>call:pick{color:<|"|>blue<|"|>,n:7}<tool_call|>')],
-    ids=["hermes", "json", "xml", "gemma4"])
+    (GEMMA4_TEMPLATE, '<|tool_call>call:pick{color:<|"|>blue<|"|>,n:7}<tool_call|>'),
+    (LFM_TEMPLATE, '<|tool_call_start|>[pick(color="blue", n=7)]<|tool_call_end|>')],
+    ids=["hermes", "json", "xml", "gemma4", "python"])
 def test_auto_calls_or_an_answer_in_the_response_format(tiny, template, call, request):
     """tool_choice auto with response_format: from the first token the answer is a call, or JSON that
     follows the response's schema, and then the end; free text, an answer outside the schema and a wrong
@@ -474,7 +557,7 @@ def test_auto_calls_or_an_answer_in_the_response_format(tiny, template, call, re
     tag (a special token in Gemma 4, text in Qwen3's <think>): where the prompt opened the thinking,
     it must close it."""
     from structured import Constraint, TokenTable
-    path, model, _ = request.getfixturevalue("gemma4") if template is GEMMA4_TEMPLATE else tiny
+    path, model, _ = request.getfixturevalue(OWN_FIXTURE[template]) if template in OWN_FIXTURE else tiny
     tokenizer = tokenizer_with(path, template)
     table, tools = TokenTable(tokenizer, model.config.vocab_size), Tools.read([PICK, COUNT], "auto", True, tokenizer)
 
@@ -497,13 +580,13 @@ def test_auto_calls_or_an_answer_in_the_response_format(tiny, template, call, re
     assert not accepted(thought + "Paris", may) and not accepted(thought + thought + call, may)
 
 
-@pytest.mark.parametrize("template", [HERMES_TEMPLATE, JSON_TEMPLATE, XML_TEMPLATE, GEMMA4_TEMPLATE, PLAIN_TEMPLATE],
-                         ids=["hermes", "json", "xml", "gemma4", "none"])
+@pytest.mark.parametrize("template", [HERMES_TEMPLATE, JSON_TEMPLATE, XML_TEMPLATE, GEMMA4_TEMPLATE, LFM_TEMPLATE,
+                                      PLAIN_TEMPLATE], ids=["hermes", "json", "xml", "gemma4", "python", "none"])
 def test_forced_calls_follow_the_schemas(tiny, template, request):
     """tool_choice "required" and a named function: a random model's answers, greedy and sampled,
     batched beside a free request (which stays as it was alone), are calls that parse and follow
     the tools' schemas, checked by hand."""
-    path, model, _ = request.getfixturevalue("gemma4") if template is GEMMA4_TEMPLATE else tiny
+    path, model, _ = request.getfixturevalue(OWN_FIXTURE[template]) if template in OWN_FIXTURE else tiny
     tokenizer = tokenizer_with(path, template)
     required = Tools.read([PICK, COUNT], "required", False, tokenizer)
     named = Tools.read([PICK, COUNT], {"type": "function", "function": {"name": "count"}}, True, tokenizer)
@@ -546,22 +629,40 @@ def test_real_model_calls_the_right_tool(default_model):
 # ---------------------------------------------------------------------------------------------
 # Through the server and the official client
 
+def test_auto_grammar_holds_python_calls(lfm):
+    """LFM2's calls from <|tool_call_start|> on: one list of calls by keyword, the arguments in the schema's
+    order (the required ones always), each value JSON of its schema, then the closing marker and nothing else."""
+    _, model, tokenizer = lfm
+    accepted = lazy_grammar_accepts(tokenizer, model)
+    tools, one = (Tools.read([PICK, COUNT, NOTE], "auto", parallel, tokenizer) for parallel in (True, False))
+    pick, count = 'pick(color="blue", n=7)', "count(k=2)"
+    assert accepted(tools, f"[{pick}]<|tool_call_end|>") and accepted(tools, f"[{pick}, {count}]<|tool_call_end|>")
+    assert accepted(tools, f"[{pick},{count}]<|tool_call_end|>") and accepted(one, f"[{count}]<|tool_call_end|>")
+    assert accepted(tools, '[note(text="x", tags=["a"])]<|tool_call_end|>')
+    assert not accepted(one, f"[{pick}, {count}]") and not accepted(tools, f"[{pick}]<|tool_call_end|> and then")
+    assert not accepted(tools, f"[{pick.replace('blue', 'green')}]") and not accepted(tools, "[count(k=4)]")
+    assert not accepted(tools, '[pick(n=7, color="blue")]') and not accepted(tools, "[pick(n=7)]")  # order; required
+    assert not accepted(tools, "[fly()]") and not accepted(tools, '[note(text="' + "x" * 41 + '")]')
+
+
 @pytest.fixture(scope="module", params=[pytest.param("hermes", marks=pytest.mark.slow),
                                         pytest.param("xml", marks=pytest.mark.slow),
                                         pytest.param("json", marks=pytest.mark.slow),
-                                        pytest.param("gemma4", marks=pytest.mark.slow), "none"])
+                                        pytest.param("gemma4", marks=pytest.mark.slow),
+                                        pytest.param("python", marks=pytest.mark.slow), "none"])
 def tool_server(request, tiny, tmp_path_factory):
     """The server on the tiny model, its template taking tools (hermes, Qwen3.5's XML, Llama's bare JSON,
-    Gemma 4's) or not. The default run keeps the one SmolLM2's template takes (none); the server's code is the
-    same for all."""
+    Gemma 4's, LFM2's Python calls) or not. The default run keeps the one SmolLM2's template takes (none); the
+    server's code is the same for all."""
     from test_server import KEY, start_server, stop_server
-    path = request.getfixturevalue("gemma4")[0] if request.param == "gemma4" else tiny[0]
+    own = {"gemma4": "gemma4", "python": "lfm"}.get(request.param)
+    path = request.getfixturevalue(own)[0] if own else tiny[0]
     d = tmp_path_factory.mktemp(f"server-{request.param}")
     for f in path.parent.iterdir():
         if f.is_file():
             shutil.copy(f, d / f.name)
     set_chat_template(d, {"hermes": HERMES_TEMPLATE, "xml": XML_TEMPLATE, "json": JSON_TEMPLATE,
-                          "gemma4": GEMMA4_TEMPLATE, "none": PLAIN_TEMPLATE}[request.param])
+                          "gemma4": GEMMA4_TEMPLATE, "python": LFM_TEMPLATE, "none": PLAIN_TEMPLATE}[request.param])
     proc, url = start_server(d / path.name, "--api_key", KEY, "--max_batch_size", "2", "--max_seq_length", "2048",
                              "--model_name", "tiny")
     yield url, d / path.name
@@ -609,7 +710,7 @@ def test_tool_calls_through_the_client(tool_server):
     class City(BaseModel):
         city: Literal["Paris", "Rome"]
     r = client.chat.completions.parse(model="tiny", messages=question, tools=tools, response_format=City,
-                                      max_tokens=400, temperature=0)
+                                      parallel_tool_calls=False, max_tokens=400, temperature=0)  # (bounded)
     answer = r.choices[0].message
     assert isinstance(answer.parsed, City) or \
         answer.tool_calls and isinstance(answer.tool_calls[0].function.parsed_arguments, (Pick, Count)), answer
