@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-from reasoning import CHANNEL, MESSAGE, START
+from reasoning import CHANNEL, FINAL, MESSAGE, START
 from structured import WHITESPACE, lark_grammar, lark_literal, pattern_regex
 from tokenizer import LFM_MARKERS, LFM_TOOLS
 
@@ -65,6 +65,7 @@ JSON_CALL = re.compile(r'^\s*((?:\[\s*)?\{\s*"name")')
 # Where a harmony call starts: a recipient `functions.NAME` in a message's header (after the role or
 # the channel; each marker is a special token, so no message's text can hold one).
 HARMONY_CALL = re.compile(r"(?:<\|start\|>assistant|<\|channel\|>[a-z]+) to=functions\.")
+HARMONY_CALL_OR_FINAL = re.compile(f"{HARMONY_CALL.pattern}|{re.escape(FINAL)}")  # (with response_format)
 # An XML string argument: raw text up to its closing tag (no "</" inside), the tag with it
 RAW_TEXT = r"/([^<]|<[^\/])*/"
 RAW_ARGUMENT = r"/([^<]|<[^\/])*\n<\/parameter>\n/"
@@ -231,10 +232,13 @@ class Tools:
         answer_schema: response_format's, which an answer without calls follows; thought: the rules of
         the thinking that an answer held from its first token opens with (Reasoning.thought_rules)."""
         names = [self.choice] if self.forced and self.choice != "required" else list(self.schemas)
-        if self.style == HARMONY:  # a call is a message whose header names it: held from there, forced or not
-            return lark_grammar(self.harmony_rules(names)), HARMONY_CALL
         answer = "" if answer_schema is None else "\nanswer: %json " + json.dumps(
             {**answer_schema, "x-guidance": {"whitespace_pattern": WHITESPACE}}, ensure_ascii=False)
+        if self.style == HARMONY:  # a call is a message whose header names it: held from there, forced or not
+            if answer:  # and the final channel's answer, held to response_format's schema from its message on
+                return lark_grammar(self.harmony_rules(names).replace("start: ", "start: answer | ", 1) + answer), \
+                    HARMONY_CALL_OR_FINAL
+            return lark_grammar(self.harmony_rules(names)), HARMONY_CALL
         head, thought = ("thought ", "\n" + thought) if thought else ("", "")
 
         def held(body: str, rules: str) -> tuple:  # from the first token, after the thinking

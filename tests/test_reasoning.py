@@ -286,7 +286,8 @@ def test_harmony_calls_held_from_their_header(tmp_path):
 
 def test_harmony_response_format_held_from_the_final_channel(tmp_path):
     """response_format on a harmony model: the analysis is free, the JSON held from the final channel's
-    message on (server.answer_grammar's trigger), as the answer gpt-oss writes after its thinking."""
+    message on (server.answer_grammar's trigger), as the answer gpt-oss writes after its thinking; with tools,
+    the trigger is a call's header or that message, and what follows a call or that JSON."""
     from server import answer_grammar
     from structured import Constraint, TokenTable
     path = harmony_checkpoint(tmp_path)
@@ -301,6 +302,15 @@ def test_harmony_response_format_held_from_the_final_channel(tmp_path):
         return all(constraint.allowed("cpu")[t] and constraint.take(t) for t in tokenizer.encode(answer, bos=False)) \
             and constraint.complete
     assert accepted('"yes"') and accepted('"no"') and not accepted("It is 4.") and not accepted('"maybe"')
+    # With tools too: a call from its header on, or the final answer from its message on.
+    from tools import Tools
+    tools = Tools.read(WEATHER, "auto", True, tokenizer)
+    grammar, trigger = answer_grammar({"response_schema": {"enum": ["yes", "no"]}}, tools, Harmony(), tokenizer)
+    call = HARMONY_ANSWERS[2][0]
+    for answer, expected in ((text, '"yes"'), (call, call[call.index("get_weather"):])):
+        match = trigger.search(answer)
+        assert answer[match.end():] == expected and accepted(expected)
+    assert not accepted(call[call.index("get_weather"):].replace("city", "town")) and not accepted("It is 4.")
 
 
 @pytest.fixture(scope="module")
