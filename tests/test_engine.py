@@ -203,7 +203,7 @@ def test_sliding_window_and_moe(tiny, family):
         assert r.token_ids == alone(model, p, 20)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "lfm3"])
 @pytest.mark.parametrize("max_batch_size,prefill_chunk", [(3, 48), (8, 512)])
 def test_linear_attention_batch_equals_alone(tiny, max_batch_size, prefill_chunk, family):
     """Qwen3.5's Gated DeltaNet state (LFM2's convolution's) through the engine: right-padded prompts
@@ -217,7 +217,7 @@ def test_linear_attention_batch_equals_alone(tiny, max_batch_size, prefill_chunk
     assert [r.token_ids for r in results] == [alone(model, p, n) for p, n in zip(ps, max_new)]
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "lfm3"])
 def test_linear_attention_prompt_cache(tiny, family):
     """A slot's state stands at the last position its request consumed: a next turn that goes on from
     all of it (a chat's earlier turns and answer) prefills only its new tokens; a prompt that shares
@@ -237,7 +237,7 @@ def test_linear_attention_prompt_cache(tiny, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "lfm3"])
 def test_compiled_engine_with_linear_attention(tiny, family):
     """Compiled, every slot decodes in the one [max_batch_size, 1] shape: the rows that only ride along
     (free, or prefilling) must leave their state as it was (lengths 0); prompts run eagerly."""
