@@ -156,32 +156,26 @@ def tiny(tmp_path_factory):
     return path, load_model(path), AutoTokenizer.from_pretrained(path.parent / "hf")
 
 
+def special_checkpoint(root, template: str, markers: list) -> tuple:
+    """(checkpoint, model, tokenizer) of the tiny model whose tokenizer has these markers as special tokens
+    (one token each, as in the real vocabularies) and this template."""
+    from conftest import save_tokenizer
+    path = chat_checkpoint(root, template, context=2048)
+    hf_tok = save_tokenizer(root / "hf")
+    hf_tok.add_special_tokens({"additional_special_tokens": markers})
+    hf_tok.save_pretrained(root)
+    set_chat_template(root, template)
+    return path, load_model(path), load_tokenizer(root)
+
+
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory):
-    """(checkpoint, model, tokenizer) of the tiny model whose tokenizer has Gemma 4's markers as special
-    tokens (one token each, as in Gemma 4's vocabulary) and GEMMA4_TEMPLATE."""
-    from conftest import save_tokenizer
-    root = tmp_path_factory.mktemp("gemma4")
-    path = chat_checkpoint(root, GEMMA4_TEMPLATE, context=2048)
-    hf_tok = save_tokenizer(root / "hf")
-    hf_tok.add_special_tokens({"additional_special_tokens": GEMMA4_MARKERS})
-    hf_tok.save_pretrained(root)
-    set_chat_template(root, GEMMA4_TEMPLATE)
-    return path, load_model(path), load_tokenizer(root)
+    return special_checkpoint(tmp_path_factory.mktemp("gemma4"), GEMMA4_TEMPLATE, GEMMA4_MARKERS)
 
 
 @pytest.fixture(scope="module")
 def lfm(tmp_path_factory):
-    """(checkpoint, model, tokenizer) of the tiny model whose tokenizer has LFM2's markers as special tokens
-    and LFM_TEMPLATE."""
-    from conftest import save_tokenizer
-    root = tmp_path_factory.mktemp("lfm")
-    path = chat_checkpoint(root, LFM_TEMPLATE, context=2048)
-    hf_tok = save_tokenizer(root / "hf")
-    hf_tok.add_special_tokens({"additional_special_tokens": LFM_MARKERS})
-    hf_tok.save_pretrained(root)
-    set_chat_template(root, LFM_TEMPLATE)
-    return path, load_model(path), load_tokenizer(root)
+    return special_checkpoint(tmp_path_factory.mktemp("lfm"), LFM_TEMPLATE, LFM_MARKERS)
 
 
 # The checkpoint fixture each template's tests run on (the others: tiny's)
