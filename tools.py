@@ -11,15 +11,17 @@ How a model calls tools is what its chat template taught it:
   the template writes `<function=`; a string argument as its raw text, others as JSON), or else one
   bare JSON object (Llama 3.x's `{"name": ..., "parameters": ...}`), Gemma 4's special tokens
   (`<|tool_call>call:NAME{key:value,...}<tool_call|>`, strings between `<|"|>` quotes, where the
-  template writes `<|tool_call>`), or, in OpenAI's harmony format (gpt-oss), a message to the
-  recipient `functions.NAME` whose text is the arguments;
+  template writes `<|tool_call>`), LFM2's Python list of calls by keyword (`<|tool_call_start|>[name(key="text",
+  n=3)]<|tool_call_end|>`, where the template lists the tools after "List of tools:"; past calls go into
+  the assistant's content as that text, the only part of it such a template writes), or, in OpenAI's
+  harmony format (gpt-oss), a message to the recipient `functions.NAME` whose text is the arguments;
 - a template that knows no tools (SmolLM2, Gemma 2 / 3, ...) gets them in a system message that asks for
   the hermes format, its assistant calls as that text and the results as user turns.
 
 The calls are held to the tools' JSON schemas by a grammar (structured.py, llguidance): with
 `tool_choice` "required" or a named function the answer is calls from its first token; with
 "auto" the text is free, nothing masked, until the model writes `<tool_call>` (Gemma 4's
-`<|tool_call>`; a bare JSON call: until the answer opens with `{"name"`; harmony: until a message's
+`<|tool_call>`, LFM2's `<|tool_call_start|>`; a bare JSON call: until the answer opens with `{"name"`; harmony: until a message's
 header names `to=functions.`, forced or not, as its thinking comes first), and from there each call
 must name a tool and match its parameters (a lazy grammar, engine.py's grammar_trigger, as
 llama.cpp's server does it), so a call read back parses.
