@@ -73,19 +73,13 @@ def resolve_model(name: str, args) -> Model:
             raise FileNotFoundError(f"{d / 'model.pth'} not found; run ./scripts/prepare.sh or pass --smollm2_dir")
         hf = d / "hf" if (d / "hf" / "config.json").is_file() else hf_from_default_gguf(work / "hf")
         return Model(name, d / "model.pth", hf, work, 128)
-    if name == "llama-1b":
-        make_random_llama_1b(work, tokenizer_dir=args.smollm2_dir)
-        return Model(name, work / "model.pth", work / "hf", work, 64)
-    if name == "qwen3.5-0.8b":  # (no multi-token-prediction layer, which llama.cpp's converter would expect)
-        make_random_qwen35(work, tokenizer_dir=args.smollm2_dir)
-        return Model(name, work / "model.pth", work / "hf", work, 128, gguf_flags=("--no-mtp",))
-    if name == "lfm2-1.2b":
-        make_random_lfm2(work, tokenizer_dir=args.smollm2_dir)
-        return Model(name, work / "model.pth", work / "hf", work, 128)
+    if name in PRESETS:
+        make, new_tokens, gguf_flags = PRESETS[name]
+        make(work, tokenizer_dir=args.smollm2_dir)
+        return Model(name, work / "model.pth", work / "hf", work, new_tokens, gguf_flags=gguf_flags)
     d = Path(name)
     if not (d / "model.pth").is_file():
-        raise ValueError(f"--models: {name!r} is neither smollm2, llama-1b, qwen3.5-0.8b, lfm2-1.2b nor a folder "
-                         "holding model.pth")
+        raise ValueError(f"--models: {name!r} is neither smollm2, {', '.join(PRESETS)} nor a folder holding model.pth")
     hf = d / "hf" if (d / "hf" / "config.json").is_file() else None
     return Model(d.name, d / "model.pth", hf, args.work_dir / d.name, 128)
 
@@ -165,6 +159,21 @@ def make_random_lfm2(out: Path, tokenizer_dir: Path):
             num_key_value_heads=8, max_position_embeddings=128000, full_attn_idxs=[2, 5, 8, 10, 12, 14],
             tie_word_embeddings=True, norm_eps=1e-5, eos_token_id=0)).bfloat16()
     make_random(out, tokenizer_dir, "LFM2-shaped", build)
+
+
+def make_random_lfm3(out: Path, tokenizer_dir: Path):
+    """A random model of LFM3-1.7B's shape (transformers' Lfm3Config defaults: 24 layers of 2048, 12 short
+    convolutions of 7 taps, 6 attention layers windowed to 256 and 6 full, 16 query and 4 key/value heads of
+    128 with a gate each; a feed-forward of 7680; a tied 128000-token vocabulary), in bf16."""
+    def build(transformers):
+        return transformers.Lfm3ForCausalLM(transformers.Lfm3Config(eos_token_id=0)).bfloat16()
+    make_random(out, tokenizer_dir, "LFM3-shaped", build)
+
+
+# Random models of these shapes: name -> (what makes it once, tokens decoded after the short prompt,
+# flags for llama.cpp's converter: Qwen3.5's has no multi-token-prediction layer, which it would expect)
+PRESETS = {"llama-1b": (make_random_llama_1b, 64, ()), "qwen3.5-0.8b": (make_random_qwen35, 128, ("--no-mtp",)),
+           "lfm2-1.2b": (make_random_lfm2, 128, ()), "lfm3-1.7b": (make_random_lfm3, 128, ())}
 
 
 def save_random_model(model, out: Path, tokenizer_dir: Path):
@@ -800,7 +809,8 @@ def parse_args(argv=None):
     p.add_argument("--models", default=None,
                    help="comma-separated: smollm2, llama-1b (random LLaMA-3.2-1B shape), qwen3.5-0.8b (random, "
                         "Qwen3.5's small shape: linear attention), lfm2-1.2b (random, LFM2's shape: short "
-                        "convolutions), or folders holding model.pth (and hf/); "
+                        "convolutions), lfm3-1.7b (random, LFM3's: convolutions, windowed and gated attention; "
+                        "llama.cpp has no LFM3), or folders holding model.pth (and hf/); "
                         "default smollm2,llama-1b (--quick: smollm2)")
     p.add_argument("--configs", default=",".join(DEFAULT_SYSTEMS),
                    help=f"comma-separated systems from {', '.join(SYSTEMS)}, or all (transformers-compile "
