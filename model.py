@@ -593,8 +593,9 @@ class Attention(nn.Module):
         # q, k and v in one projection: one matrix-vector product per layer instead of three. Last in
         # it, where the model gates the heads' outputs: a gate per output (Qwen3.5's full-attention
         # layers) or one per head (LFM3).
-        self.output_gate, self.head_gate = config.attention_output_gate, config.attention_head_gate
-        self.gate_dim = config.n_head * head_dim if self.output_gate else config.n_head if self.head_gate else 0
+        self.head_gate = config.attention_head_gate
+        self.gate_dim = (config.n_head * head_dim if config.attention_output_gate else
+                         config.n_head if self.head_gate else 0)
         qkv_dim = (config.n_head + kv_projections * kv_heads) * head_dim + self.gate_dim
         self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.attention_bias)
         self.wo = nn.Linear(config.n_head * head_dim, config.dim, bias=config.attention_out_bias)

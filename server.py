@@ -141,11 +141,11 @@ def answer_grammar(params: dict, tools: Optional[Tools], thinking, tokenizer) ->
     grammar held from the first token opens with its thinking, calls are looked for after it, and
     harmony's answer is held from its final channel on."""
     schema = params["response_schema"]
+    if tools is None and schema is None:
+        return None, None
     thought = thinking.thought_rules(tokenizer) if isinstance(thinking, Reasoning) else ""
     try:
         if tools is None:
-            if schema is None:
-                return None, None
             return json_grammar(schema, thought), FINAL if isinstance(thinking, Harmony) else None
         grammar, trigger = tools.grammar(schema, thought=thought)
     except ValueError as e:

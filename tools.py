@@ -21,10 +21,10 @@ How a model calls tools is what its chat template taught it:
 The calls are held to the tools' JSON schemas by a grammar (structured.py, llguidance): with
 `tool_choice` "required" or a named function the answer is calls from its first token; with
 "auto" the text is free, nothing masked, until the model writes `<tool_call>` (Gemma 4's
-`<|tool_call>`, LFM2's `<|tool_call_start|>`; a bare JSON call: until the answer opens with `{"name"`; harmony: until a message's
-header names `to=functions.`, forced or not, as its thinking comes first), and from there each call
-must name a tool and match its parameters (a lazy grammar, engine.py's grammar_trigger, as
-llama.cpp's server does it), so a call read back parses.
+`<|tool_call>`, LFM2's `<|tool_call_start|>`; a bare JSON call: until the answer opens with
+`{"name"`; harmony: until a message's header names `to=functions.`, forced or not, as its thinking
+comes first), and from there each call must name a tool and match its parameters (a lazy grammar,
+engine.py's grammar_trigger, as llama.cpp's server does it), so a call read back parses.
 
     tools = Tools.read(body["tools"], body.get("tool_choice"), True, tokenizer)
     ids = tokenizer.encode_chat(tools.messages(messages), tools=tools.template_tools)
@@ -178,12 +178,7 @@ class Tools:
         else:
             raise ToolsError("'tool_choice' must be \"none\", \"auto\", \"required\" or "
                              "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
-        native = tokenizer.chat_template_takes("tools")
-        style = (HARMONY if native and CHANNEL in tokenizer.chat_template else
-                 GEMMA4 if native and CALL_OPEN in tokenizer.chat_template else
-                 XML if native and FUNCTION in tokenizer.chat_template else
-                 PYTHON if native and LFM_TOOLS in tokenizer.chat_template else
-                 HERMES if not native or OPEN in tokenizer.chat_template else JSON)
+        native, style = tokenizer.chat_template_takes("tools"), call_style(tokenizer)
         key = "parameters" if style == JSON and '"parameters"' in tokenizer.chat_template else "arguments"
         markers = tuple(lark_literal(tokenizer, m) for m in LFM_MARKERS) if style == PYTHON else ("", "")
         return cls(specs, choice, parallel, native, style, key, native or takes_system(tokenizer),
@@ -238,9 +233,8 @@ class Tools:
             {**answer_schema, "x-guidance": {"whitespace_pattern": WHITESPACE}}, ensure_ascii=False)
         if self.style == HARMONY:  # a call is a message whose header names it: held from there, forced or not
             if answer:  # and the final channel's answer, held to response_format's schema from its message on
-                return lark_grammar(self.harmony_rules(names).replace("start: ", "start: answer | ", 1) + answer), \
-                    HARMONY_CALL_OR_FINAL
-            return lark_grammar(self.harmony_rules(names)), HARMONY_CALL
+                return lark_grammar(f"start: call | answer\n{self.harmony_rules(names)}{answer}"), HARMONY_CALL_OR_FINAL
+            return lark_grammar(f"start: call\n{self.harmony_rules(names)}"), HARMONY_CALL
         head, thought = ("thought ", "\n" + thought) if thought else ("", "")
 
         def held(body: str, rules: str) -> tuple:  # from the first token, after the thinking
@@ -329,13 +323,13 @@ class Tools:
         return "\n".join(rules) + '\nPKEY: /[A-Za-z_][A-Za-z0-9_]*/\npvalue: %json {}'
 
     def harmony_rules(self, names: list) -> str:
-        """A Lark grammar of a harmony call from its recipient's name on: the name (one of `names`),
-        the rest of its header (a channel, `<|constrain|>json`), the arguments as JSON of its schema.
-        The markers are special tokens, written as llguidance writes them."""
+        """Lark rules of a harmony call (rule `call`) from its recipient's name on: the name (one of
+        `names`), the rest of its header (a channel, `<|constrain|>json`), the arguments as JSON of its
+        schema. The markers are special tokens, written as llguidance writes them."""
         calls = [f"{json.dumps(name)} head <|message|> %json "
                  + json.dumps({**self.schemas[name], "x-guidance": {"whitespace_pattern": WHITESPACE}},
                               ensure_ascii=False) for name in names]
-        return ("start: " + " | ".join(calls) + "\nhead: WORDS? (<|channel|> WORDS)? (<|constrain|> WORDS)?"
+        return ("call: " + " | ".join(calls) + "\nhead: WORDS? (<|channel|> WORDS)? (<|constrain|> WORDS)?"
                 "\nWORDS: /[ A-Za-z]{1,24}/")
 
     def gemma4_rules(self, names: list) -> str:
@@ -588,7 +582,7 @@ def python_call_text(calls: list) -> str:
         if isinstance(v, list):
             return "[" + ", ".join(map(literal, v)) + "]"
         if isinstance(v, dict):
-            return "{" + ", ".join(f"{json.dumps(str(k), ensure_ascii=False)}: {literal(x)}" for k, x in v.items()) + "}"
+            return "{" + ", ".join(f"{literal(str(k))}: {literal(x)}" for k, x in v.items()) + "}"
         return json.dumps(v, ensure_ascii=False)
     written = [f"{name}({', '.join(f'{k}={literal(v)}' for k, v in args.items())})" for name, args in calls]
     return f"{PY_OPEN}[{', '.join(written)}]{PY_CLOSE}"
@@ -639,6 +633,14 @@ def gemma_value(text: str, at: int = 0) -> tuple:
 
 def hermes_call(name: str, arguments: dict) -> str:
     return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}"
+
+
+def call_style(tokenizer) -> str:
+    """How this tokenizer's chat template has the model call tools (the module's docstring)."""
+    template, native = tokenizer.chat_template, tokenizer.chat_template_takes("tools")
+    return (HARMONY if native and CHANNEL in template else GEMMA4 if native and CALL_OPEN in template else
+            XML if native and FUNCTION in template else PYTHON if native and LFM_TOOLS in template else
+            HERMES if not native or OPEN in template else JSON)
 
 
 def template_messages(messages: list, native: bool, python: bool = False) -> list:
@@ -740,6 +742,5 @@ def encode_conversation(tokenizer, messages: list, tools: Optional[Tools] = None
     variables (chat_template_kwargs)."""
     if tools is not None:
         return tokenizer.encode_chat(tools.messages(messages), tools=tools.template_tools, variables=variables)
-    native = tokenizer.chat_template_takes("tools")
-    python = native and LFM_TOOLS in (tokenizer.chat_template or "")
-    return tokenizer.encode_chat(template_messages(messages, native, python), variables=variables)
+    return tokenizer.encode_chat(template_messages(messages, tokenizer.chat_template_takes("tools"),
+                                                   call_style(tokenizer) == PYTHON), variables=variables)
