@@ -646,37 +646,67 @@ std::string best_isa() {
   return "";
 }
 
-// Bytes of x's rows that a product goes over with each block before the next rows: a long prompt's
-// x (32 MB: 1024 rows of 8192 fp32) read whole for every block came from memory, not from L3.
-constexpr int64_t ROW_GROUP_BYTES = 4 << 20;
+// fp32 sums -> bf16 as c10::BFloat16 rounds them (to nearest even; NaN -> 0x7FC0), 16 at a time where
+// the CPU has AVX-512: one at a time, the rounding took a visible part of a long prompt's products.
+AVX512 static void to_bf16_avx512(const float* in, int64_t n, uint16_t* out) {
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), nan = _mm512_set1_epi32(0x7FC0);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_loadu_ps(in + i);
+    __m512i u = _mm512_castps_si512(v);
+    __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), one), half);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(r));
+  }
+  std::copy(in + i, in + n, reinterpret_cast<at::BFloat16*>(out) + i);
+}
 
-// y [..., N] (x's shape and dtype; its M rows flattened) over blocks of 32 output columns split
-// between threads, each in tiles of up to rows_per_tile rows of x: tile(b, m, rows, out) writes rows
-// m.. of block b into out. tiles: AMX's configuration, which each thread loads (nullptr: none).
+static void to_bf16(const float* in, int64_t n, uint16_t* out, int64_t isa) {
+  if (isa != ISA_AVX2) return to_bf16_avx512(in, n, out);
+  std::copy(in, in + n, reinterpret_cast<at::BFloat16*>(out));
+}
+
+// Weights of the blocks that a long prompt's tiles of rows go over in turn, a group at a time: half
+// of L2, so that the group stays there while every tile of rows passes, and each tile's rows stay
+// there over the group's blocks. x is then read from L3 once a group, where a tile of rows going
+// over every block in turn read all of x (4 MB: 1024 rows of 2048 bf16) from L3 for every block.
+static int64_t block_group_bytes() {
+  static const int64_t bytes = [] {
+    long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return l2 > 0 ? static_cast<int64_t>(l2) / 2 : int64_t(512) << 10;
+  }();
+  return bytes;
+}
+
+// y [..., N] (x's shape and dtype; its M rows flattened) over blocks of 32 output columns (of
+// block_bytes each) split between threads, each in tiles of up to rows_per_tile rows of x: tile(b,
+// m, rows, out) writes rows m.. of block b into out. tiles: AMX's configuration, which each thread
+// loads (nullptr: none).
 template <class Tile>
-static torch::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t rows_per_tile, const torch::Tensor& x,
-                         Tile tile, const TileConfig* tiles = nullptr) {
+static torch::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t block_bytes, int64_t rows_per_tile,
+                         const torch::Tensor& x, int64_t isa, Tile tile, const TileConfig* tiles = nullptr) {
   auto shape = x.sizes().vec();
   shape.back() = N;
   auto y = torch::empty(shape, x.options());  // fp32, or bf16 (rounded from the fp32 sums)
   bool bf16 = y.scalar_type() == torch::kBFloat16;
   char* yp = static_cast<char*>(y.data_ptr());
-  int64_t row_bytes = x.size(-1) * x.element_size();
-  int64_t group = std::max<int64_t>(1, ROW_GROUP_BYTES / row_bytes / rows_per_tile) * rows_per_tile;
+  int64_t x_bytes = x.numel() * x.element_size();
+  int64_t group = x_bytes <= block_group_bytes() ? 1 : std::max<int64_t>(1, block_group_bytes() / block_bytes);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     alignas(64) float out[PANEL][BLOCK];
     if (tiles) tiles_begin(tiles);
-    for (int64_t m0 = 0; m0 < M; m0 += group) {
-      for (int64_t b = b0; b < b1; b++) {
-        int64_t columns = std::min(BLOCK, N - b * BLOCK);
-        for (int64_t m = m0; m < std::min(M, m0 + group); m += rows_per_tile) {
-          int64_t rows = std::min(rows_per_tile, M - m);
+    for (int64_t g = b0; g < b1; g += group) {
+      for (int64_t m = 0; m < M; m += rows_per_tile) {
+        int64_t rows = std::min(rows_per_tile, M - m);
+        for (int64_t b = g; b < std::min(b1, g + group); b++) {
+          int64_t columns = std::min(BLOCK, N - b * BLOCK);
           std::memset(out, 0, rows * sizeof(out[0]));
           tile(b, m, rows, out);
           for (int64_t r = 0; r < rows; r++) {
             int64_t at = (m + r) * N + b * BLOCK;
             if (bf16)
-              std::copy(out[r], out[r] + columns, reinterpret_cast<at::BFloat16*>(yp) + at);
+              to_bf16(out[r], columns, reinterpret_cast<uint16_t*>(yp) + at, isa);
             else
               std::memcpy(reinterpret_cast<float*>(yp) + at, out[r], columns * sizeof(float));
           }
@@ -690,14 +720,15 @@ static torch::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t rows_per_
 
 // The fp32-FMA tiles for a weight format W (`format(b, m)`: block b's, for rows from m).
 template <class Format>
-static torch::Tensor run_fma(const torch::Tensor& x, int64_t N, int64_t blocks, int64_t isa, Format format) {
+static torch::Tensor run_fma(const torch::Tensor& x, int64_t N, int64_t blocks, int64_t block_bytes, int64_t isa,
+                             Format format) {
   bool wide = isa == ISA_AVX512 || isa == ISA_AVX512VNNI;
   TORCH_CHECK(wide || isa == ISA_AVX2, "kernels: unknown instruction set ", isa);
   int64_t K = x.size(-1);
   const float* xp = x.data_ptr<float>();
   int64_t M = x.numel() / K;
   int64_t rows_per_tile = wide ? PANEL : M <= 2 ? 2 : PROMPT_ROWS;
-  return run(M, N, blocks, rows_per_tile, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+  auto tile = [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
     auto w = format(b, m);
     if (wide)
       over_chunks<8>(M, rows, K, w.chunk(), [&](auto R, int64_t i, int64_t k0, int64_t k1) {
@@ -709,7 +740,8 @@ static torch::Tensor run_fma(const torch::Tensor& x, int64_t N, int64_t blocks, 
       else
         prompt_avx2(xp + m * K, K, rows, w, out);
     }
-  });
+  };
+  return run(M, N, blocks, block_bytes, rows_per_tile, x, isa, tile);
 }
 
 template <bool INT4>
@@ -724,7 +756,7 @@ static torch::Tensor run_integer(const torch::Tensor& x, int64_t N, int64_t bloc
     for (int64_t b = 0; b < nb; b++) xsum[m * (Kp / group) + b * BLOCK / group] += xq.d[m * nb + b] * xq.sum[m * nb + b];
   bool vnni = isa == ISA_AVX512VNNI;
   int64_t rows_per_tile = vnni ? PANEL : AVX2_INT_ROWS;
-  return run(M, N, blocks, rows_per_tile, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+  auto tile = [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
     const uint8_t* wb = w + b * Kp * bytes;
     const float* sb = INT4 ? nullptr : scales + b * BLOCK;
     const uint16_t* szb = INT4 ? sz + b * (Kp / group) * sz_per_group(zeros) : nullptr;
@@ -738,7 +770,8 @@ static torch::Tensor run_integer(const torch::Tensor& x, int64_t N, int64_t bloc
       with_rows<1, AVX2_INT_ROWS>(rows, [&](auto R) {
         tile_avx2_int<decltype(R)::value, INT4>(xq, m, Kp, wb, sb, szb, zeros, xsum.data(), group, out);
       });
-  });
+  };
+  return run(M, N, blocks, Kp * bytes, rows_per_tile, x, isa, tile);
 }
 
 // x's rows, read in place where x is contiguous (the usual case; contiguous() then returns x
@@ -756,7 +789,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
               blocks * BLOCK >= N, "packed_linear: a float32 weight packed [N / 32, K, 32]");
   auto x2 = rows_of(x, K);
   const float* wp = packed.data_ptr<float>();
-  return run_fma(x2, N, blocks, isa, [&](int64_t b, int64_t m) { return F32{wp + b * K * BLOCK, K}; });
+  return run_fma(x2, N, blocks, K * BLOCK * 4, isa, [&](int64_t b, int64_t m) { return F32{wp + b * K * BLOCK, K}; });
 }
 
 // int8: packed int8 [N / 32, K, 32] (AVX-512 FMA), or uint8 [N / 32, Kp / 4, 32, 4] holding w + 128
@@ -775,7 +808,8 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
   const float* sp = scales.data_ptr<float>();
   if (integer) return run_integer<false>(x2, N, blocks, Kp, packed.data_ptr<uint8_t>(), sp, nullptr, false, Kp, isa);
   const int8_t* wp = packed.data_ptr<int8_t>();
-  return run_fma(x2, N, blocks, isa, [&](int64_t b, int64_t m) { return Int8{wp + b * K * BLOCK, sp + b * BLOCK, K}; });
+  return run_fma(x2, N, blocks, K * BLOCK, isa,
+                 [&](int64_t b, int64_t m) { return Int8{wp + b * K * BLOCK, sp + b * BLOCK, K}; });
 }
 
 // int4: packed uint8 [N / 32, Kp, 16] (AVX-512 FMA) or [N / 32, Kp / 4, 16, 4] (VNNI, AVX2), Kp: K padded to
@@ -805,7 +839,7 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
   const float* xp = x2.data_ptr<float>();
   for (int64_t m = 0; m < M; m++)
     for (int64_t k = 0; k < K; k++) xs[m * groups + k / group] += xp[m * K + k];
-  return run_fma(x2, N, blocks, isa, [&](int64_t b, int64_t m) {
+  return run_fma(x2, N, blocks, Kp * BLOCK / 2, isa, [&](int64_t b, int64_t m) {
     return Int4{wp + b * Kp * BLOCK / 2, sp + b * groups * sz_per_group(zeros), xs.data() + m * groups, group,
                 groups, zeros};
   });
@@ -829,17 +863,18 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, i
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
   if (amx) {
     static const TileConfig tiles{};
-    return run(M, N, blocks, AMX_TILE, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+    auto tile = [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
       tile_amx_bf16(xp + m * K2, K2, wp + b * K2 * BLOCK, out);
-    }, &tiles);
+    };
+    return run(M, N, blocks, K2 * BLOCK * 4, AMX_TILE, x, isa, tile, &tiles);
   }
   if (!dot)
-    return run(M, N, blocks, 2, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+    return run(M, N, blocks, K2 * BLOCK * 4, 2, x, isa, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
       with_rows<1, 2>(rows, [&](auto R) {
         tile_avx2_bf16<decltype(R)::value>(xp + m * K2, K2, wp + b * K2 * BLOCK, out);
       });
     });
-  return run(M, N, blocks, PANEL, x, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+  return run(M, N, blocks, K2 * BLOCK * 4, PANEL, x, isa, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
     over_chunks<8>(M, rows, K2, CHUNK_BYTES / (BLOCK * 4), [&](auto R, int64_t i, int64_t k0, int64_t k1) {
       tile_bf16<decltype(R)::value>(xp + (m + i) * K2, K2, k0, k1, wp + b * K2 * BLOCK, out + i);
     });

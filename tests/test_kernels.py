@@ -47,12 +47,14 @@ def test_packed_linear_equals_float64_product(isa, n, k, bias):
         torch.testing.assert_close(packed(x), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_long_prompt_goes_over_x_in_groups_of_rows(isa):
-    """300 rows of 8192 inputs: x's rows are gone over in groups of 4 MB per block (kernels.cpp's
-    ROW_GROUP_BYTES: 120-128 rows here), so this product spans three groups and a partial one."""
+@pytest.mark.parametrize("n,k", [(70, 8192), (667, 1024)])
+def test_a_long_prompt_goes_over_the_blocks_in_groups(isa, n, k):
+    """300 rows, x beyond half of L2: every tile of rows goes over a group of blocks (half of L2 of
+    weights: kernels.cpp's block_group_bytes) before the next group. k = 8192: one 1 MB fp32 block
+    a group or more; k = 1024: 21 blocks of 128 KB, in whole groups and a partial one a thread."""
     torch.manual_seed(0)
-    linear = nn.Linear(8192, 70, bias=False)
-    x = torch.randn(300, 8192)
+    linear = nn.Linear(k, n, bias=False)
+    x = torch.randn(300, k)
     expected = (x.double() @ linear.weight.double().T).float()
     torch.testing.assert_close(kernels.PackedLinear(linear, isa)(x), expected, rtol=1e-5, atol=1e-4)
 
