@@ -667,10 +667,16 @@ static void to_bf16(const float* in, int64_t n, uint16_t* out, int64_t isa) {
   std::copy(in, in + n, reinterpret_cast<at::BFloat16*>(out));
 }
 
-// Weights of the blocks that a long prompt's tiles of rows go over in turn, a group at a time: half
-// of L2, so that the group stays there while every tile of rows passes, and each tile's rows stay
-// there over the group's blocks. x is then read from L3 once a group, where a tile of rows going
-// over every block in turn read all of x (4 MB: 1024 rows of 2048 bf16) from L3 for every block.
+// Bytes of x's rows that a product goes over before the next rows: a long prompt's x (32 MB: 1024
+// rows of 8192 fp32) read whole for every block (or group of blocks, below) came from memory, not
+// from L3; in groups of rows the weights come from memory once a group instead.
+constexpr int64_t ROW_GROUP_BYTES = 4 << 20;
+
+// Weights of the blocks that each tile of a group of rows goes over before the next group of
+// blocks, where that group of rows is over half of L2: half of L2, so that the blocks stay there
+// while every tile of rows passes, and each tile's rows stay there over the group's blocks. A tile
+// going over every block in turn read all the group's rows (4 MB: 1024 rows of 2048 bf16) from L3
+// for every block.
 static int64_t block_group_bytes() {
   static const int64_t bytes = [] {
     long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
@@ -691,24 +697,28 @@ static torch::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t block_byt
   auto y = torch::empty(shape, x.options());  // fp32, or bf16 (rounded from the fp32 sums)
   bool bf16 = y.scalar_type() == torch::kBFloat16;
   char* yp = static_cast<char*>(y.data_ptr());
-  int64_t x_bytes = x.numel() * x.element_size();
-  int64_t group = x_bytes <= block_group_bytes() ? 1 : std::max<int64_t>(1, block_group_bytes() / block_bytes);
+  int64_t row_bytes = x.size(-1) * x.element_size();
+  int64_t rows_group = std::max<int64_t>(1, ROW_GROUP_BYTES / row_bytes / rows_per_tile) * rows_per_tile;
+  bool in_l2 = std::min(M, rows_group) * row_bytes <= block_group_bytes();
+  int64_t group = in_l2 ? 1 : std::max<int64_t>(1, block_group_bytes() / block_bytes);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     alignas(64) float out[PANEL][BLOCK];
     if (tiles) tiles_begin(tiles);
-    for (int64_t g = b0; g < b1; g += group) {
-      for (int64_t m = 0; m < M; m += rows_per_tile) {
-        int64_t rows = std::min(rows_per_tile, M - m);
-        for (int64_t b = g; b < std::min(b1, g + group); b++) {
-          int64_t columns = std::min(BLOCK, N - b * BLOCK);
-          std::memset(out, 0, rows * sizeof(out[0]));
-          tile(b, m, rows, out);
-          for (int64_t r = 0; r < rows; r++) {
-            int64_t at = (m + r) * N + b * BLOCK;
-            if (bf16)
-              to_bf16(out[r], columns, reinterpret_cast<uint16_t*>(yp) + at, isa);
-            else
-              std::memcpy(reinterpret_cast<float*>(yp) + at, out[r], columns * sizeof(float));
+    for (int64_t m0 = 0; m0 < M; m0 += rows_group) {
+      for (int64_t g = b0; g < b1; g += group) {
+        for (int64_t m = m0; m < std::min(M, m0 + rows_group); m += rows_per_tile) {
+          int64_t rows = std::min(rows_per_tile, M - m);
+          for (int64_t b = g; b < std::min(b1, g + group); b++) {
+            int64_t columns = std::min(BLOCK, N - b * BLOCK);
+            std::memset(out, 0, rows * sizeof(out[0]));
+            tile(b, m, rows, out);
+            for (int64_t r = 0; r < rows; r++) {
+              int64_t at = (m + r) * N + b * BLOCK;
+              if (bf16)
+                to_bf16(out[r], columns, reinterpret_cast<uint16_t*>(yp) + at, isa);
+              else
+                std::memcpy(reinterpret_cast<float*>(yp) + at, out[r], columns * sizeof(float));
+            }
           }
         }
       }

@@ -50,8 +50,9 @@ def test_packed_linear_equals_float64_product(isa, n, k, bias):
 @pytest.mark.parametrize("n,k", [(70, 8192), (667, 1024)])
 def test_a_long_prompt_goes_over_the_blocks_in_groups(isa, n, k):
     """300 rows, x beyond half of L2: every tile of rows goes over a group of blocks (half of L2 of
-    weights: kernels.cpp's block_group_bytes) before the next group. k = 8192: one 1 MB fp32 block
-    a group or more; k = 1024: 21 blocks of 128 KB, in whole groups and a partial one a thread."""
+    weights: kernels.cpp's block_group_bytes) before the next group. k = 8192: rows in groups of 4 MB
+    (ROW_GROUP_BYTES: 128 rows, so two whole groups and a partial one), one 1 MB fp32 block a group
+    or more; k = 1024: 21 blocks of 128 KB, in whole groups and a partial one a thread."""
     torch.manual_seed(0)
     linear = nn.Linear(k, n, bias=False)
     x = torch.randn(300, k)
