@@ -103,16 +103,18 @@ def measure_decode(model, device: str, compile: bool, prompt_tokens: int, new_to
     _, out = timed_generate(model, prompt, new_tokens, decode_fn, device, callback=on_token)
     if streamed != out[0, prompt_tokens:].tolist():
         raise AssertionError("the streamed tokens differ from the returned ones")
-    # The device's own rate: two generations that differ only in their length, nothing read between.
+    # The device's own rate: two generations that differ only in their length, nothing read between,
+    # each the best of 3. Their difference is a few steps: on a tiny model within the timer's noise,
+    # where it can come out negative, so that none is reported then.
     half = new_tokens // 2
-    full_s, _ = timed_generate(model, prompt, new_tokens, decode_fn, device)
-    half_s, _ = timed_generate(model, prompt, half, decode_fn, device)
+    full_s = min(timed_generate(model, prompt, new_tokens, decode_fn, device)[0] for _ in range(3))
+    half_s = min(timed_generate(model, prompt, half, decode_fn, device)[0] for _ in range(3))
     # And every token waited for before the next step is queued (a loop that reads each token at once).
     synced = []
     timed_generate(model, prompt, new_tokens, decode_fn, device,
                    callback=lambda token: (load.device_sync(device), synced.append(time.perf_counter())))
     result = dict(streamed_tok_s=(len(times) - 1) / (times[-1] - times[0]),
-                  unread_tok_s=(new_tokens - half) / (full_s - half_s),
+                  unread_tok_s=(new_tokens - half) / (full_s - half_s) if full_s > half_s else None,
                   synced_tok_s=(len(synced) - 1) / (synced[-1] - synced[0]),
                   first_run_s=warm_s, tokens=out[0, prompt_tokens:prompt_tokens + 16].tolist())
     if profile:
@@ -350,7 +352,7 @@ def run(args, config: ModelArgs, device: str, precisions: list):
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
         for key in ("streamed_tok_s", "unread_tok_s", "synced_tok_s"):
-            if key in row:
+            if row.get(key) is not None:
                 row[key.replace("tok_s", "gbps")] = row[key] * row["bytes_per_step"] / 1e9
                 row[key.replace("tok_s", "roofline")] = row[key.replace("tok_s", "gbps")] / report["roofline_gbps"]
         report["rows"].append(row)

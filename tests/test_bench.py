@@ -92,7 +92,9 @@ def test_roofline_smoke(tmp_path, capsys):
     for r in rows.values():
         assert r["synced_tok_s"] > 0 and r["synced_roofline"] > 0
     for p in ("fp32", "int8", "int4"):
-        assert rows["brisk", p]["streamed_tok_s"] > 0 and rows["brisk", p]["unread_tok_s"] > 0
+        # unread: the difference of two timings a few steps apart, none where it came out negative
+        unread = rows["brisk", p]["unread_tok_s"]
+        assert rows["brisk", p]["streamed_tok_s"] > 0 and (unread is None or unread > 0)
         assert rows["brisk", p]["host_ms_per_step"] > 0
     # 2 layers of q, k, v, o (64x64, 32x64 twice, 64x64), w1, w3, w2 (128x64) and norms, the final
     # norm and the output (320x64: whole blocks of kernels.cpp's packing), in fp32; of the embedding
