@@ -648,6 +648,8 @@ std::string best_isa() {
 
 // fp32 sums -> bf16 as c10::BFloat16 rounds them (to nearest even; NaN -> 0x7FC0), 16 at a time where
 // the CPU has AVX-512: one at a time, the rounding took a visible part of a long prompt's products.
+// (simd.h's store16 rounds alike but leaves NaN's bits to the rounding, so a NaN sum came out with
+// other bits than c10's.)
 AVX512 static void to_bf16_avx512(const float* in, int64_t n, uint16_t* out) {
   const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), nan = _mm512_set1_epi32(0x7FC0);
   int64_t i = 0;
@@ -871,20 +873,21 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, i
   auto x2 = K % 2 || pad_rows ? torch::constant_pad_nd(x.reshape({M, K}), {0, K % 2, 0, pad_rows}) : x.contiguous();
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x2.data_ptr<at::BFloat16>());
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  int64_t block_bytes = K2 * BLOCK * 4;
   if (amx) {
     static const TileConfig tiles{};
     auto tile = [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
       tile_amx_bf16(xp + m * K2, K2, wp + b * K2 * BLOCK, out);
     };
-    return run(M, N, blocks, K2 * BLOCK * 4, AMX_TILE, x, isa, tile, &tiles);
+    return run(M, N, blocks, block_bytes, AMX_TILE, x, isa, tile, &tiles);
   }
   if (!dot)
-    return run(M, N, blocks, K2 * BLOCK * 4, 2, x, isa, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+    return run(M, N, blocks, block_bytes, 2, x, isa, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
       with_rows<1, 2>(rows, [&](auto R) {
         tile_avx2_bf16<decltype(R)::value>(xp + m * K2, K2, wp + b * K2 * BLOCK, out);
       });
     });
-  return run(M, N, blocks, K2 * BLOCK * 4, PANEL, x, isa, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+  return run(M, N, blocks, block_bytes, PANEL, x, isa, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
     over_chunks<8>(M, rows, K2, CHUNK_BYTES / (BLOCK * 4), [&](auto R, int64_t i, int64_t k0, int64_t k1) {
       tile_bf16<decltype(R)::value>(xp + (m + i) * K2, K2, k0, k1, wp + b * K2 * BLOCK, out + i);
     });
