@@ -331,10 +331,33 @@ AVX2 static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, in
 // and sum q is known per row and block.
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
+// ia += the products of k-quad kq (4 k) of a block's 32 columns and ROWS rows of x
+template <int ROWS, bool INT4>
+VNNI static inline void k_quad(const uint8_t* w, const int32_t* xq, int64_t Kp, int64_t kq, __m512i (&ia)[ROWS][2]) {
+  __m512i w0, w1;
+  prefetch_ahead(w + kq * (INT4 ? 64 : 128), AHEAD<ROWS>);
+  if constexpr (!INT4) prefetch_ahead(w + kq * 128 + 64, AHEAD<ROWS>);
+  if constexpr (INT4) {
+    __m512i v = _mm512_loadu_si512(w + kq * 64), low = _mm512_set1_epi8(15);
+    w0 = _mm512_and_si512(v, low), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  } else {
+    w0 = _mm512_loadu_si512(w + kq * 128), w1 = _mm512_loadu_si512(w + kq * 128 + 64);
+  }
+  UNROLL for (int m = 0; m < ROWS; m++) {
+    __m512i xb = _mm512_set1_epi32(xq[m * Kp / 4 + kq]);
+    ia[m][0] = _mm512_dpbusd_epi32(ia[m][0], w0, xb);
+    ia[m][1] = _mm512_dpbusd_epi32(ia[m][1], w1, xb);
+  }
+}
+
 // Up to 4 rows: 8 integer and 8 float accumulators. INT4: 64 bytes per k-quad (columns j and
 // j + 16 in a byte's nibbles), a scale and zero per `group` (zeros: false for scales alone); int8:
-// 128 bytes, one scale at the end.
-template <int ROWS, bool INT4>
+// 128 bytes, one scale at the end. UNROLLED: a block's 8 k-quads unrolled, for tiles bound by
+// their arithmetic (a prompt, a batch of streams): as a loop, GCC copied each sum to another
+// register and back every k-quad, 16 moves beside 8 vpdpbusd, and such a tile ran at under half
+// vpdpbusd's rate. A tile that reads its block from memory (a decode step's few rows) was slower
+// unrolled (its loads and prefetches bunched together), so it keeps the loop.
+template <int ROWS, bool INT4, bool UNROLLED>
 VNNI static void tile_vnni(const QuantizedRows& x, int64_t m0, int64_t Kp, int64_t b0, int64_t b1, const uint8_t* w,
                            const float* scales, const uint16_t* sz, bool zeros, const float* xsum, int64_t group,
                            float (*out)[BLOCK]) {  // adds the products over k in 32-blocks [b0, b1) into out
@@ -345,21 +368,10 @@ VNNI static void tile_vnni(const QuantizedRows& x, int64_t m0, int64_t Kp, int64
   for (int64_t b = b0; b < b1; b++) {
     __m512i ia[ROWS][2];
     UNROLL for (int m = 0; m < ROWS; m++) ia[m][0] = ia[m][1] = _mm512_setzero_si512();
-    for (int64_t kq = b * BLOCK / 4; kq < (b + 1) * BLOCK / 4; kq++) {
-      __m512i w0, w1;
-      prefetch_ahead(w + kq * (INT4 ? 64 : 128), AHEAD<ROWS>);
-      if constexpr (!INT4) prefetch_ahead(w + kq * 128 + 64, AHEAD<ROWS>);
-      if constexpr (INT4) {
-        __m512i v = _mm512_loadu_si512(w + kq * 64), low = _mm512_set1_epi8(15);
-        w0 = _mm512_and_si512(v, low), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      } else {
-        w0 = _mm512_loadu_si512(w + kq * 128), w1 = _mm512_loadu_si512(w + kq * 128 + 64);
-      }
-      UNROLL for (int m = 0; m < ROWS; m++) {
-        __m512i xb = _mm512_set1_epi32(xq[m * Kp / 4 + kq]);
-        ia[m][0] = _mm512_dpbusd_epi32(ia[m][0], w0, xb);
-        ia[m][1] = _mm512_dpbusd_epi32(ia[m][1], w1, xb);
-      }
+    if constexpr (UNROLLED) {
+      UNROLL for (int j = 0; j < BLOCK / 4; j++) k_quad<ROWS, INT4>(w, xq, Kp, b * BLOCK / 4 + j, ia);
+    } else {
+      for (int64_t kq = b * BLOCK / 4; kq < (b + 1) * BLOCK / 4; kq++) k_quad<ROWS, INT4>(w, xq, Kp, kq, ia);
     }
     if constexpr (INT4) {  // out += d s sum q x, and at a group's end (z - 8 s) sum x
       Int4 f{nullptr, sz, nullptr, group, groups, zeros};
@@ -774,7 +786,11 @@ static torch::Tensor run_integer(const torch::Tensor& x, int64_t N, int64_t bloc
     const uint16_t* szb = INT4 ? sz + b * (Kp / group) * sz_per_group(zeros) : nullptr;
     if (vnni)
       over_chunks<4>(M, rows, nb, CHUNK_BYTES / (BLOCK * bytes), [&](auto R, int64_t i, int64_t b0, int64_t b1) {
-        tile_vnni<decltype(R)::value, INT4>(xq, m + i, Kp, b0, b1, wb, sb, szb, zeros, xsum.data(), group, out + i);
+        constexpr int ROWS = decltype(R)::value;
+        if (rows <= 4 && M <= PANEL)  // one tile reading its block from memory (over_chunks)
+          tile_vnni<ROWS, INT4, false>(xq, m + i, Kp, b0, b1, wb, sb, szb, zeros, xsum.data(), group, out + i);
+        else
+          tile_vnni<ROWS, INT4, true>(xq, m + i, Kp, b0, b1, wb, sb, szb, zeros, xsum.data(), group, out + i);
       });
     else if (!INT4 && rows == 1)
       row_avx2_int8(xq, m, Kp, wb, sb, out);
