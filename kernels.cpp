@@ -787,11 +787,12 @@ static torch::Tensor run_integer(const torch::Tensor& x, int64_t N, int64_t bloc
     const uint16_t* szb = INT4 ? sz + b * (Kp / group) * sz_per_group(zeros) : nullptr;
     if (vnni)
       over_chunks<4>(M, rows, nb, CHUNK_BYTES / (BLOCK * bytes), [&](auto R, int64_t i, int64_t b0, int64_t b1) {
-        constexpr int ROWS = decltype(R)::value;
-        if (M <= PANEL)  // a decode step's or a batch's tiles (over_chunks)
-          tile_vnni<ROWS, INT4, false>(xq, m + i, Kp, b0, b1, wb, sb, szb, zeros, xsum.data(), group, out + i);
-        else
-          tile_vnni<ROWS, INT4, true>(xq, m + i, Kp, b0, b1, wb, sb, szb, zeros, xsum.data(), group, out + i);
+        auto tile = [&](auto unrolled) {
+          tile_vnni<decltype(R)::value, INT4, decltype(unrolled)::value>(xq, m + i, Kp, b0, b1, wb, sb, szb, zeros,
+                                                                          xsum.data(), group, out + i);
+        };
+        // a prompt's tiles unrolled; a decode step's or a batch's (a panel, over_chunks) as a loop
+        M > PANEL ? tile(std::true_type{}) : tile(std::false_type{});
       });
     else if (!INT4 && rows == 1)
       row_avx2_int8(xq, m, Kp, wb, sb, out);
