@@ -331,6 +331,13 @@ AVX2 static QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, in
 // and sum q is known per row and block.
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
+// acc += 4 products a lane of w's unsigned and x's signed bytes (vpdpbusd), in acc's own register.
+// From the intrinsic (_mm512_dpbusd_epi32), GCC 12 gave the sums of a loop over k-quads a second
+// set of registers and copied them across and back every k-quad: 16 moves beside 8 vpdpbusd.
+VNNI static inline void dpbusd(__m512i& acc, __m512i w, __m512i x) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+}
+
 // ia += the products of k-quad kq (4 k) of a block's 32 columns and ROWS rows of x
 template <int ROWS, bool INT4>
 VNNI static inline void k_quad(const uint8_t* w, const int32_t* xq, int64_t Kp, int64_t kq, __m512i (&ia)[ROWS][2]) {
@@ -345,19 +352,19 @@ VNNI static inline void k_quad(const uint8_t* w, const int32_t* xq, int64_t Kp, 
   }
   UNROLL for (int m = 0; m < ROWS; m++) {
     __m512i xb = _mm512_set1_epi32(xq[m * Kp / 4 + kq]);
-    ia[m][0] = _mm512_dpbusd_epi32(ia[m][0], w0, xb);
-    ia[m][1] = _mm512_dpbusd_epi32(ia[m][1], w1, xb);
+    dpbusd(ia[m][0], w0, xb);
+    dpbusd(ia[m][1], w1, xb);
   }
 }
 
 // Up to 4 rows: 8 integer and 8 float accumulators. INT4: 64 bytes per k-quad (columns j and
 // j + 16 in a byte's nibbles), a scale and zero per `group` (zeros: false for scales alone); int8:
 // 128 bytes, one scale at the end. UNROLLED: a block's 8 k-quads unrolled, for a prompt's tiles
-// (more rows than a panel), bound by their arithmetic: as a loop, GCC copied each sum to another
-// register and back every k-quad, 16 moves beside 8 vpdpbusd, and they ran at under half
-// vpdpbusd's rate. A panel's tiles (a decode step, a batch of streams) keep the loop: unrolled, a
-// tile reading its block from memory was slower (its loads and prefetches bunched together), and
-// the engine's int8 decode of 8 streams lost 12% while 16 gained 5-13%.
+// (more rows than a panel), bound by their arithmetic: with the intrinsic's copies (dpbusd) they
+// ran at under half vpdpbusd's rate as a loop, and unrolling was what first removed them. A
+// panel's tiles (a decode step, a batch of streams) keep the loop: unrolled, a tile reading its
+// block from memory was slower (its loads and prefetches bunched together), and the engine's int8
+// decode of 8 streams lost 12% while 16 gained 5-13%.
 template <int ROWS, bool INT4, bool UNROLLED>
 VNNI static void tile_vnni(const QuantizedRows& x, int64_t m0, int64_t Kp, int64_t b0, int64_t b1, const uint8_t* w,
                            const float* scales, const uint16_t* sz, bool zeros, const float* xsum, int64_t group,
@@ -535,10 +542,9 @@ BF16DOT static void tile_bf16(const uint32_t* x, int64_t K2, int64_t k0, int64_t
       _mm512_storeu_ps(out[m] + 16 * j, _mm512_add_ps(acc[m][j], _mm512_loadu_ps(out[m] + 16 * j)));
 }
 
-// bf16 without vdpbf16ps (AVX2, and AVX-512 CPUs without BF16): each 32-bit lane of the pair
-// layout holds k's weight in its low half and k + 1's in its high half, and a bf16 is an fp32's
-// top half, so a shift and a mask give both as fp32. One or two rows a tile, the whole block a k
-// pair: 8 sums in flight.
+// bf16 on AVX2 (no vdpbf16ps): each 32-bit lane of the pair layout holds k's weight in its low half
+// and k + 1's in its high half, and a bf16 is an fp32's top half, so a shift and a mask give both as
+// fp32. One or two rows a tile, the whole block a k pair: 8 sums in flight.
 template <int ROWS>
 AVX2 static void tile_avx2_bf16(const uint32_t* x, int64_t K2, const uint32_t* w, float (*out)[BLOCK]) {
   static_assert(ROWS <= 2, "8 sums, the weights and x: within the 16 registers");
@@ -563,6 +569,33 @@ AVX2 static void tile_avx2_bf16(const uint32_t* x, int64_t K2, const uint32_t* w
   }
   UNROLL for (int m = 0; m < ROWS; m++)
     UNROLL for (int i = 0; i < 4; i++) _mm256_storeu_ps(out[m] + 8 * i, acc[m][i]);
+}
+
+// bf16 on AVX-512 without vdpbf16ps (Xeons before Cooper Lake, VMs that hide AVX-512 BF16): as
+// tile_bf16 (up to 8 rows, a panel over_chunks), a k-pair at a time, the pair's weights widened to
+// fp32 as in tile_avx2_bf16 and x widened once for the whole product (xf: fp32, 2 K2 a row). On
+// tile_avx2_bf16's two rows a tile, a prompt read each block again from L2 for every two rows.
+template <int ROWS>
+AVX512 static void tile_avx512_bf16(const float* xf, int64_t K2, int64_t k0, int64_t k1, const uint32_t* w,
+                                    float (*out)[BLOCK]) {  // adds the products over pairs [k0, k1) into out
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m512 acc[ROWS][2];
+  UNROLL for (int m = 0; m < ROWS; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; k++) {
+    prefetch_ahead(w + k * BLOCK, AHEAD<ROWS>), prefetch_ahead(w + k * BLOCK + 16, AHEAD<ROWS>);
+    __m512 even[2], odd[2];
+    UNROLL for (int j = 0; j < 2; j++) {
+      __m512i v = _mm512_loadu_si512(w + k * BLOCK + 16 * j);
+      even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), odd[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+    }
+    UNROLL for (int m = 0; m < ROWS; m++) {
+      __m512 xe = _mm512_set1_ps(xf[m * 2 * K2 + 2 * k]), xo = _mm512_set1_ps(xf[m * 2 * K2 + 2 * k + 1]);
+      UNROLL for (int j = 0; j < 2; j++) acc[m][j] = _mm512_fmadd_ps(xo, odd[j], _mm512_fmadd_ps(xe, even[j], acc[m][j]));
+    }
+  }
+  UNROLL for (int m = 0; m < ROWS; m++)
+    UNROLL for (int j = 0; j < 2; j++)
+      _mm512_storeu_ps(out[m] + 16 * j, _mm512_add_ps(acc[m][j], _mm512_loadu_ps(out[m] + 16 * j)));
 }
 
 bool has_bf16_dot() {
@@ -883,7 +916,9 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, i
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "packed_linear_bf16: x must be bf16");
   TORCH_CHECK(isa == ISA_AVX2 || isa == ISA_AVX512 || isa == ISA_AVX512VNNI, "kernels: unknown instruction set ", isa);
   static const bool bf16_dot = has_bf16_dot();  // asked once, not on every call of a decode step
-  bool dot = bf16_dot && isa != ISA_AVX2;       // vdpbf16ps, and AMX for a prompt's rows
+  // vdpbf16ps, and AMX for a prompt's rows. Every CPU with AVX-512 BF16 has VNNI, so the plain
+  // AVX-512 level (Skylake's) widens, as such a CPU must: its tests run on every AVX-512 CPU.
+  bool dot = bf16_dot && isa == ISA_AVX512VNNI;
   int64_t M = x.numel() / K;
   bool amx = dot && M >= AMX_ROWS && has_amx();
   // Whole pairs, and for AMX whole tiles of rows (zeros).
@@ -898,6 +933,15 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, i
       tile_amx_bf16(xp + m * K2, K2, wp + b * K2 * BLOCK, out);
     };
     return run(M, N, blocks, block_bytes, AMX_TILE, x, isa, tile, &tiles);
+  }
+  if (!dot && isa != ISA_AVX2) {
+    auto xf = x2.to(torch::kFloat);
+    const float* xfp = xf.data_ptr<float>();
+    return run(M, N, blocks, block_bytes, PANEL, x, isa, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
+      over_chunks<8>(M, rows, K2, CHUNK_BYTES / (BLOCK * 4), [&](auto R, int64_t i, int64_t k0, int64_t k1) {
+        tile_avx512_bf16<decltype(R)::value>(xfp + (m + i) * 2 * K2, K2, k0, k1, wp + b * K2 * BLOCK, out + i);
+      });
+    });
   }
   if (!dot)
     return run(M, N, blocks, block_bytes, 2, x, isa, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {

@@ -495,7 +495,7 @@ class PackedEmbedding(nn.Module):
 
 def packable_dtypes() -> tuple:
     """The weight dtypes kernels.cpp multiplies on this CPU: fp32 and bf16 (with vdpbf16ps where the
-    CPU has AVX-512 BF16, else as fp32 in AVX2's FMAs)."""
+    CPU has AVX-512 BF16, else widened to fp32 for FMAs)."""
     return (torch.float32, torch.bfloat16) if best_isa() else ()
 
 

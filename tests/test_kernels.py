@@ -115,9 +115,9 @@ def test_packed_int4_equals_float64_product(isa, n, k, groupsize, symmetric):
 
 
 @pytest.fixture
-def bf16_dot():
-    if not kernels.bf16_dot():
-        pytest.skip("this CPU has no AVX-512 BF16")
+def packs():
+    if not kernels.best_isa():
+        pytest.skip("kernels.cpp has no products for this CPU")
 
 
 @pytest.mark.parametrize("n,k", [(576, 576), (100, 64), (33, 7), (1, 5)])
@@ -137,14 +137,15 @@ def test_packed_bf16_equals_float64_product(isa, n, k):
 
 @pytest.mark.parametrize("n,k", [(576, 576), (100, 200), (33, 7), (70, 8191)])
 @pytest.mark.parametrize("rows", [16, 45, 96])
-def test_packed_bf16_prompt_equals_its_rows_alone(bf16_dot, n, k, rows):
+def test_packed_bf16_prompt_equals_its_rows_alone(isa, n, k, rows):
     """A prompt's bf16 product (on AMX's tiles where the CPU has them: 16 rows or more, padded to
-    whole tiles of 32 rows and 32 k) against each of its rows alone (vdpbf16ps) and float64: sums of
-    the same exact products in another order, so equal but for a few values one bf16 step apart.
-    k = 8191: an odd k whose last 16 k-pairs are short of a whole tile, over a long sum."""
+    whole tiles of 32 rows and 32 k; else tiles of up to 8 rows over the k-pairs in chunks) against
+    each of its rows alone and float64: sums of the same exact products in another order, so equal
+    but for a few values one bf16 step apart. k = 8191: an odd k whose last 16 k-pairs are short of
+    a whole tile, over a long sum."""
     torch.manual_seed(rows + k)
     linear = nn.Linear(k, n, bias=False).bfloat16()
-    packed = kernels.PackedLinear(linear, kernels.best_isa())
+    packed = kernels.PackedLinear(linear, isa)
     x = torch.randn(rows, k).bfloat16()
     whole, alone = packed(x), torch.cat([packed(row) for row in x.split(1)])
     assert bf16_ulps(whole, alone) <= 1.0 and (whole != alone).float().mean() < 0.02
@@ -153,7 +154,7 @@ def test_packed_bf16_prompt_equals_its_rows_alone(bf16_dot, n, k, rows):
 
 
 @pytest.mark.parametrize("family", ["llama31", "gemma2"])
-def test_packed_bf16_model_matches_unpacked(bf16_dot, family, tmp_path):
+def test_packed_bf16_model_matches_unpacked(packs, family, tmp_path):
     """A bf16 model packed (tied embedding gathered from bf16 pairs) against the same model on
     PyTorch's bf16 products: both round to bf16 after every product, in different orders."""
     path = save_and_convert(make_hf_model(family, seed=5), tmp_path)
