@@ -935,8 +935,10 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, i
     return run(M, N, blocks, block_bytes, AMX_TILE, x, isa, tile, &tiles);
   }
   if (!dot && isa != ISA_AVX2) {
-    auto xf = x2.to(torch::kFloat);
-    const float* xfp = xf.data_ptr<float>();
+    // x widened here, not by a dispatched to(): a decode step makes a few hundred of these calls
+    const at::BFloat16* xb = x2.data_ptr<at::BFloat16>();
+    std::vector<float> xf(xb, xb + M * 2 * K2);
+    const float* xfp = xf.data();
     return run(M, N, blocks, block_bytes, PANEL, x, isa, [&](int64_t b, int64_t m, int64_t rows, float (*out)[BLOCK]) {
       over_chunks<8>(M, rows, K2, CHUNK_BYTES / (BLOCK * 4), [&](auto R, int64_t i, int64_t k0, int64_t k1) {
         tile_avx512_bf16<decltype(R)::value>(xfp + (m + i) * 2 * K2, K2, k0, k1, wp + b * K2 * BLOCK, out + i);
