@@ -656,16 +656,11 @@ def test_not_a_gguf_file(tmp_path):
 
 # --- the real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ------------------------------------
 
-@pytest.fixture(scope="module")
-def real_transformers(default_gguf):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    kwargs = dict(gguf_file=default_gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(default_gguf.parent, dtype=torch.float32, **kwargs).eval()
-    return model, AutoTokenizer.from_pretrained(default_gguf.parent, **kwargs)
-
-
-def test_real_tokenizer_matches_transformers(default_model, real_transformers):
-    _, reference = real_transformers
+def test_real_tokenizer_matches_transformers(default_model, default_gguf):
+    from transformers import AutoTokenizer
+    # The tokenizer alone: transformers' model from the GGUF (seconds of dequantizing every weight)
+    # is for the slow test.
+    reference = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
     ours = load_tokenizer(default_model.parent)
     ids = ours.encode(VARIED_TEXT)
     assert ids == reference.encode(VARIED_TEXT)
@@ -684,8 +679,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "CHAT:What is the 
 
 
 @pytest.mark.slow
-def test_real_greedy_and_logits_match_transformers(default_model, real_transformers):
-    hf, _ = real_transformers
+def test_real_greedy_and_logits_match_transformers(default_model, default_gguf):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name,
+                                              dtype=torch.float32).eval()
     model = load_model(default_model)
     tokenizer = load_tokenizer(default_model.parent)
     for prompt in PROMPTS:
