@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random Hugging Face models converted with our own converter, and the real
 default model (SmolLM2-135M-Instruct) converted from its GGUF."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 
 from scripts.convert_hf_checkpoint import convert_hf_checkpoint
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# pytest-xdist's workers (pytest.ini: -n logical) share the cores: threads of their own each, not more.
+torch.set_num_threads(max(1, min(2, torch.get_num_threads() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1)))))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -16,7 +18,6 @@ def compile_cache(tmp_path_factory):
     """Compiled steps (compiling.precompiled) and packed models (packed_cache.py) of this run's tiny
     models in folders of their own, for this process and the command lines it starts, not the user's
     caches."""
-    import os
     os.environ["BRISK_COMPILE_CACHE"] = str(tmp_path_factory.mktemp("compiled"))
     os.environ["BRISK_PACKED_CACHE"] = str(tmp_path_factory.mktemp("packed"))
 
