@@ -7,9 +7,11 @@ Device, precision and torchrun setup live here too, since every script that load
 needs the same three decisions.
 """
 import contextlib
+import glob
 import itertools
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -194,12 +196,18 @@ def check_state_dict(model: torch.nn.Module, state_dict: dict, checkpoint_path) 
 
 def atomic_write(path, write) -> None:
     """write(tmp_path) to a temporary name beside path, then rename: a failed or killed write never
-    leaves a half-written file under the real name. A temporary file left by a killed run is
-    replaced, whatever its permissions."""
+    leaves a half-written file under the real name. The temporary name is this thread's own (pid
+    and thread), so two processes writing one file at once (two servers compiling the same step)
+    never write into or remove each other's; one left by a killed run (its process gone) is removed."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    for stale in path.parent.glob(f"{glob.escape(path.name)}.*.tmp"):
+        pid = stale.name[len(path.name) + 1:].split(".")[0]
+        if pid.isdigit() and not process_alive(int(pid)):
+            with contextlib.suppress(OSError):  # another process may be removing it too
+                stale.unlink()
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        tmp.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)  # a pid reused from a killed run
         write(tmp)
         tmp.replace(path)
     except OSError as e:
@@ -208,6 +216,18 @@ def atomic_write(path, write) -> None:
         raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def process_alive(pid: int) -> bool:
+    if os.name == "nt":  # os.kill(pid, 0) there would end the process: keep every temporary
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, another user's
+        return True
+    return True
 
 
 def atomic_save(obj, path: Path):

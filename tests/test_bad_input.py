@@ -19,7 +19,7 @@ import eval as eval_cli
 import generate
 import quantize
 from conftest import make_hf_model, save_and_convert, save_tokenizer
-from load import atomic_save, atomic_write_text
+from load import atomic_save, atomic_write
 from scripts import bench, convert_gguf, convert_hf_checkpoint, default_model, download, profile_decode, roofline
 from test_tokenizer import train_bpe
 
@@ -593,15 +593,41 @@ def test_profile_decode_paths(ckpt, tmp_path, capsys):
 
 def test_stale_tmp_from_a_killed_run_does_not_break_the_next(tmp_path):
     target = tmp_path / "model.pth"
-    stale = tmp_path / "model.pth.tmp"
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    stale = tmp_path / f"model.pth.{dead.pid}.7.tmp"  # a killed run's, read-only: removed
     stale.write_text("half a file, left by kill -9")
     stale.chmod(0o444)
+    live = tmp_path / f"model.pth.{os.getppid()}.7.tmp"  # another process writing the same file now: kept
+    live.write_text("being written")
     atomic_save({"w": torch.ones(2)}, target)
-    assert torch.load(target)["w"].sum() == 2 and not stale.exists()
-    (tmp_path / "r.json.tmp").mkdir()  # even a folder in the way (rmdir: it is empty)
-    with pytest.raises(OSError):
-        atomic_write_text(tmp_path / "r.json", "{}")
-    assert not (tmp_path / "r.json").exists()
+    assert torch.load(target)["w"].sum() == 2 and not stale.exists() and live.read_text() == "being written"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, live.name])
+
+    def fail(tmp):
+        tmp.write_text("half")
+        raise OSError(28, "No space left on device")
+    with pytest.raises(OSError, match="No space left") as e:
+        atomic_write(tmp_path / "r.json", fail)
+    assert e.value.filename == str(tmp_path / "r.json") and not list(tmp_path.glob("r.json*"))
+
+
+def test_concurrent_atomic_writes_of_one_file_each_land_whole(tmp_path):
+    """Two processes writing the same file at once (two servers compiling one step): neither removes
+    or writes into the other's temporary, and the file ends as one of the two, whole."""
+    writer = ("import sys, time; from load import atomic_write\n"
+              "def write(tmp):\n"
+              "    with open(tmp, 'w') as f:\n"
+              "        for _ in range(20):\n"
+              "            f.write(sys.argv[2] * 100000); f.flush(); time.sleep(0.01)\n"
+              "atomic_write(sys.argv[1], write)")
+    target = tmp_path / "step.pt2"
+    runs = [subprocess.Popen([sys.executable, "-c", writer, str(target), c], cwd=ROOT, stderr=subprocess.PIPE,
+                             text=True) for c in "ab"]
+    errors = [p.communicate(timeout=120)[1] for p in runs]
+    assert [p.returncode for p in runs] == [0, 0], errors
+    assert target.read_text() in ("a" * 2000000, "b" * 2000000)
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]
 
 
 # ---------------------------------------------------------------------------------------------
