@@ -226,7 +226,7 @@ def process_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except OSError:  # alive, another user's
-        return True
+        pass
     return True
 
 

@@ -9,7 +9,7 @@ import torch
 
 from scripts.convert_hf_checkpoint import convert_hf_checkpoint
 
-# pytest-xdist's workers (pytest.ini: -n logical) share the cores: threads of their own each, not more.
+# pytest-xdist's workers (pytest.ini) share the cores: each takes its share of threads, at most 2.
 torch.set_num_threads(max(1, min(2, torch.get_num_threads() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1)))))
 
 
