@@ -343,6 +343,12 @@ def model_bytes(model: Transformer) -> int:
     return total
 
 
+def held_bytes(model: Transformer) -> int:
+    """Bytes of every weight the model holds: all experts, an embedding table the output does not
+    share (not the RoPE tables, not the KV caches)."""
+    return sum(t.numel() * t.element_size() for name, t in weights(model) if not name.endswith("cos_sin"))
+
+
 def step_bytes(model: Transformer) -> int:
     """model_bytes less an embedding table the output does not share: a decode step reads one row of it."""
     output = {id(t) for t in itertools.chain(model.output.parameters(), model.output.buffers())}

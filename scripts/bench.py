@@ -291,13 +291,15 @@ def measure_llamacpp(case: "Case", gguf: Path, tools: dict, threads: int) -> dic
         start_s = time.time() - t0 if code == 0 else None  # where prompt processing dies (above)
     return dict(decode_tok_s=tg["avg_ts"], prefill_tok_s=pp["avg_ts"], ttft_s=T / pp["avg_ts"], peak_rss_mb=rss,
                 start_s=start_s, **({"note": "with --repack 0: " + ", ".join(stored)} if stored else {}),
-                bytes_per_token=pp["model_size"], build=f"{pp['build_number']} ({pp['build_commit']})")
+                bytes_per_token=pp["model_size"], weights_bytes=pp["model_size"],
+                build=f"{pp['build_number']} ({pp['build_commit']})")
 
 
 # ---------------------------------------------------------------------------------------------
 # Workers: each runs in its own process (`--worker SPEC`) and prints one JSON line.
 # Bytes per token: the weights a decode step reads. An embedding table that the output projection
-# does not share counts for one row only, i.e. not at all.
+# does not share counts for one row only, i.e. not at all. Weights' bytes: every weight the process
+# holds, that table included, which the peak memory is set beside.
 
 class TokenTimer:
     """Timestamps every new token: a brisk `generate` callback and a transformers streamer."""
@@ -370,7 +372,8 @@ def worker_brisk(spec: dict) -> dict:
     finish_writing()  # a first run's packed model, written in the background: not beside the timed decode
     timer.start()
     out = decode.generate(model, prompt, N, callback=timer, **fns)
-    return dict(timer.summary(T), bytes_per_token=load.step_bytes(model), tokens=out[0, T:T + 32].tolist(),
+    return dict(timer.summary(T), bytes_per_token=load.step_bytes(model),
+                weights_bytes=load.held_bytes(model), tokens=out[0, T:T + 32].tolist(),
                 compile_s=warmup_s if spec["compile"] else None, activations=str(precision).removeprefix("torch."),
                 start_s=start_s,
                 **device_memory(device))
@@ -401,11 +404,12 @@ def worker_transformers(spec: dict) -> dict:
         warmup_s = time.perf_counter() - t0
         timer.start()
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), streamer=timer, **kwargs)
-    nbytes = tensor_bytes(model.parameters())  # parameters() skips tied copies
+    weights_bytes = nbytes = tensor_bytes(model.parameters())  # parameters() skips tied copies
     embedding = model.get_input_embeddings().weight
     if embedding is not model.get_output_embeddings().weight:
         nbytes -= tensor_bytes([embedding])
-    return dict(timer.summary(T), bytes_per_token=nbytes, tokens=out[0, T:T + 32].tolist(),
+    return dict(timer.summary(T), bytes_per_token=nbytes, weights_bytes=weights_bytes,
+                tokens=out[0, T:T + 32].tolist(),
                 compile_s=warmup_s if spec["compile"] else None, **device_memory(device))
 
 
@@ -587,8 +591,10 @@ def summarize(case: Case, rounds: list, bandwidth: float) -> dict:
     start_s = [r[k] for r in ok for k in ("start_s", "start_s_again") if r.get(k) is not None]
     return dict(out, decode_tok_s=decode, prefill_tok_s=max(r["prefill_tok_s"] for r in ok),
                 ttft_s=min(r["ttft_s"] for r in ok), peak_rss_mb=max(r["peak_rss_mb"] or 0 for r in ok) or None,
+                # The first round of a compiled case may compile cold; the lowest peak is a warm start's.
+                peak_rss_mb_min=min(r["peak_rss_mb"] or 0 for r in ok) or None,
                 peak_gpu_mb=max(r.get("peak_gpu_mb") or 0 for r in ok) or None,
-                bytes_per_token=nbytes, bandwidth_gbps=nbytes * decode / 1e9,
+                bytes_per_token=nbytes, bandwidth_gbps=nbytes * decode / 1e9, weights_bytes=ok[0].get("weights_bytes"),
                 roofline_fraction=nbytes * decode / 1e9 / bandwidth,
                 compile_s=min(compile_s) if compile_s else None, compile_s_max=max(compile_s) if compile_s else None,
                 # The first round of a compiled case may compile cold; later rounds find the caches.
@@ -704,10 +710,12 @@ def format_table(report: dict) -> str:
         lines.append(f"peak RSS of a process that only imports torch and brisk's modules: "
                      f"{report['runtime_rss_mb']:.0f} MB")
     memory = "peak_gpu_mb" if gpu else "peak_rss_mb"  # the memory that bounds the model size there
+    lines.append(f"xW: the peak {'GPU memory' if gpu else 'RSS of the lowest round (a warm start)'} over the "
+                 "weights' bytes (every weight held, an embedding table the output does not share included)")
     header = (f"{'model':<10} {'prompt':<6} {'system':<21} {'prec':<5} {'decode':>7} {'prefill':>8} {'TTFT':>6} "
-              f"{'GPU' if gpu else 'RSS':>6} {'GB/s':>5} {'roof':>5} {'compile':>7} {'start':>11}  "
+              f"{'GPU' if gpu else 'RSS':>6} {'xW':>5} {'GB/s':>5} {'roof':>5} {'compile':>7} {'start':>11}  "
               "brisk / peer (decode, prefill)")
-    lines += [header, f"{'':<51}{'tok/s':>7} {'tok/s':>8} {'s':>6} {'MB':>6} {'':>19} {'warm/cold s':>11}"]
+    lines += [header, f"{'':<51}{'tok/s':>7} {'tok/s':>8} {'s':>6} {'MB':>6} {'':>25} {'warm/cold s':>11}"]
     for r in results:
         head = f"{r['model']:<10} {r['prompt']:<6} {r['system']:<21} {r['precision']:<5}"
         if "error" in r:
@@ -723,8 +731,11 @@ def format_table(report: dict) -> str:
                     ratios.append(f"{r['decode_tok_s'] / p['decode_tok_s']:.2f}x {peer}{prefill}")
         compile_s = f"{r['compile_s']:.0f} s" if r["compile_s"] is not None else ""
         start = f"{r['start_s']:.1f}/{r['start_s_max']:.1f}" if r.get("start_s") is not None else ""
+        held = r.get(memory) or 0
+        low = held if gpu else r.get("peak_rss_mb_min") or held
+        over_weights = f"{low * 1e6 / r['weights_bytes']:.2f}x" if low and r.get("weights_bytes") else ""
         lines.append(f"{head} {r['decode_tok_s']:>7.1f} {r['prefill_tok_s']:>8.1f} {r['ttft_s']:>6.2f} "
-                     f"{r.get(memory) or 0:>6.0f} {r['bandwidth_gbps']:>5.1f} {r['roofline_fraction']:>5.0%} "
+                     f"{held:>6.0f} {over_weights:>5} {r['bandwidth_gbps']:>5.1f} {r['roofline_fraction']:>5.0%} "
                      f"{compile_s:>7} {start:>11}  {', '.join(ratios)}")
     lines += agreement_lines(results)
     return "\n".join(lines)

@@ -14,7 +14,7 @@ def test_bench_smoke(tmp_path):
     checkpoint = save_and_convert(make_hf_model("llama32"), tmp_path / "tiny")
     out = tmp_path / "results.json"
     args = bench.parse_args(["--quick", "--models", str(checkpoint.parent), "--configs", "brisk,llama.cpp",
-                             "--precisions", "fp32", "--prompts", "short,long", "--long_prompt", "300",
+                             "--precisions", "fp32,int8", "--prompts", "short,long", "--long_prompt", "300",
                              "--new_tokens", "4", "--roofline_mb", "16", "--work_dir", str(tmp_path / "work"),
                              "--llamacpp_dir", str(tmp_path / "none"), "--out", str(out), "--plot", ""])
     bench.main(args)
@@ -22,7 +22,8 @@ def test_bench_smoke(tmp_path):
     report = json.loads(out.read_text())
     assert report["schema"] == 1 and report["roofline_gbps"] > 0
     assert {"cpu", "threads", "torch", "transformers"} <= set(report["machine"])
-    (result,) = report["results"]  # the long prompt exceeds the tiny model's 256-token context
+    # the long prompt exceeds the tiny model's 256-token context
+    result, int8 = report["results"]
     # The runtime alone (torch and brisk's modules imported, no weights) holds less than a run does.
     assert 0 < report["runtime_rss_mb"] < result["peak_rss_mb"]
     assert (result["model"], result["prompt"], result["system"], result["precision"]) == ("tiny", "short", "brisk",
@@ -37,6 +38,15 @@ def test_bench_smoke(tmp_path):
     assert again > 0 and result["start_s"] == min(again, result["rounds"][0]["start_s"])
     n_params = sum(p.numel() for p in make_hf_model("llama32").parameters())
     assert result["bytes_per_token"] == 4 * n_params  # fp32 weights, the tied output counted once
+    assert result["weights_bytes"] == result["bytes_per_token"]  # a step reads every weight
+    # int8 quantizes the output apart from the embedding table; a step reads one row of that table, the
+    # process holds all of it.
+    config = make_hf_model("llama32").config
+    assert int8["precision"] == "int8"
+    assert int8["weights_bytes"] - int8["bytes_per_token"] >= config.vocab_size * config.hidden_size
+    table = bench.format_table(report).splitlines()
+    over_weights = f"{result['peak_rss_mb_min'] * 1e6 / result['weights_bytes']:.2f}x"
+    assert any(line.startswith("tiny") and over_weights in line for line in table)
     assert len(result["rounds"]) == 1 and len(result["rounds"][0]["tokens"]) == 4
     skipped = {s["what"] for s in report["skipped"]}
     assert {"llama.cpp", "tiny long"} <= skipped
