@@ -157,6 +157,22 @@ def release_pages(t: Tensor) -> None:
     libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
 
 
+def copy_out(t: Tensor) -> Tensor:
+    """A copy in memory of t (a memory-mapped checkpoint's tensor on the CPU, read once), made 16 MB
+    at a time, each part's pages given back once copied (release_pages): copied whole, the file's
+    pages and the copy are both resident until the copy ends, for an untied embedding table the
+    highest point of loading a quantized model."""
+    new = torch.empty_like(t, memory_format=torch.contiguous_format)
+    if not t.is_contiguous():
+        return new.copy_(t)
+    source, target = t.view(-1), new.view(-1)
+    step = max(1, (16 << 20) // t.element_size())
+    for i in range(0, source.numel(), step):
+        target[i:i + step].copy_(source[i:i + step])
+        release_pages(source[i:i + step])
+    return new
+
+
 HUGE_PAGE = 2 << 20  # x86-64's and most arm64 kernels' transparent huge page
 
 
@@ -359,19 +375,29 @@ def pack_int4(codes: Tensor, scales_and_zeros: Tensor, isa: str) -> tuple:
     [N / 32, Kp, 16], or [N / 32, Kp / 4, 16, 4] for INTEGER_ISAS, holding columns j and j + 16
     of a block in byte j's low and high nibbles; bf16 [N / 32, G, 2, 32], or the scales alone
     [N / 32, G, 32] where every zero is 0: a symmetric checkpoint's 4.5 bits a weight, not 5)."""
+    return pack_int4_weight(codes, isa), pack_int4_scales(scales_and_zeros)
+
+
+def pack_int4_weight(codes: Tensor, isa: str, out: Optional[Tensor] = None) -> Tensor:
+    """pack_int4's weight alone; out: where to write it (whole blocks of 32 rows, in order, of a
+    larger weight packed a part at a time: quantized.pack_stored_int4)."""
     N, Kp = codes.shape
     if N % BLOCK:
         codes = torch.cat([codes, codes.new_zeros(-N % BLOCK, Kp)])
     halves = codes.to(torch.uint8).view(-1, 2, BLOCK // 2, Kp)  # [blocks, columns j / j + 16, 16, Kp]
     both = halves[:, 1] << 4
     both |= halves[:, 0]  # [blocks, 16, Kp]: j's code low, j + 16's high
-    q = pack(both.view(-1, Kp), n=4 if isa in INTEGER_ISAS else 1, block=BLOCK // 2)
+    return pack(both.view(-1, Kp), n=4 if isa in INTEGER_ISAS else 1, block=BLOCK // 2, out=out)
+
+
+def pack_int4_scales(scales_and_zeros: Tensor) -> Tensor:
+    """pack_int4's scales (and zeros) alone."""
     G, N, _ = scales_and_zeros.shape
     sz = torch.zeros(G, -(-N // BLOCK) * BLOCK, 2, dtype=torch.bfloat16)
     sz[:, :N] = scales_and_zeros
     if not sz[..., 1].any():
-        return q, sz[..., 0].view(G, -1, BLOCK).transpose(0, 1).contiguous()
-    return q, sz.view(G, -1, BLOCK, 2).permute(1, 0, 3, 2).contiguous()
+        return sz[..., 0].view(G, -1, BLOCK).transpose(0, 1).contiguous()
+    return sz.view(G, -1, BLOCK, 2).permute(1, 0, 3, 2).contiguous()
 
 
 def pack_bf16(w: Tensor, out: Optional[Tensor] = None) -> Tensor:
@@ -621,5 +647,5 @@ def pack_linears(model: Transformer, isa: Optional[str] = None) -> Transformer:
         for module in model.modules():
             for name, t in [*module._parameters.items(), *module._buffers.items()]:
                 if t is not None and t.device.type == "cpu" and not name.endswith("_cache") and from_file(t):
-                    t.data = t.data.clone()
+                    t.data = copy_out(t.data)
     return model

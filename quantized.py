@@ -109,6 +109,19 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return torch.stack([packed >> 4, packed & 15], dim=-1).flatten(-2)
 
 
+def pack_stored_int4(stored: Tensor, isa: str, rows: int = 4096) -> Tensor:
+    """kernels.pack_int4's weight of the stored codes (uint8 [N, Kp / 2]), unpacked and packed
+    `rows` rows at a time into the result: unpacked whole, an output projection of 50 MB held
+    250 MB more at once, the highest point of a first start's memory."""
+    N, half = stored.shape
+    n = 4 if isa in kernels.INTEGER_ISAS else 1
+    packed = torch.empty(-(-N // kernels.BLOCK), 2 * half // n, kernels.BLOCK // 2, n, dtype=torch.uint8)
+    for i in range(0, N, rows):  # rows: whole blocks of BLOCK
+        kernels.pack_int4_weight(unpack_int4(stored[i:i + rows]), isa,
+                                 out=packed[i // kernels.BLOCK:(i + rows) // kernels.BLOCK])
+    return packed.flatten(-2) if n == 1 else packed
+
+
 def dequantize_int4(packed: Tensor, scales_and_zeros: Tensor, groupsize: int) -> Tensor:
     """The fp32 weight [N, Kp] of the portable int4 layout."""
     q = unpack_int4(packed).float()
@@ -281,8 +294,8 @@ class Int4Linear(nn.Module):
             self.isa = kernels.best_isa()
             kernels.register_fake()
             stored = self.weight
-            self.weight, self.scales_and_zeros = kernels.pack_int4(unpack_int4(stored), self.scales_and_zeros,
-                                                                   self.isa)
+            self.weight = pack_stored_int4(stored, self.isa)
+            self.scales_and_zeros = kernels.pack_int4_scales(self.scales_and_zeros)
             kernels.release_pages(stored)
             return
         self.weight = pack_int4(self.weight, self.kernel)

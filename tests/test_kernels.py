@@ -554,6 +554,33 @@ def test_release_pages_of_a_mapped_checkpoint(tmp_path):
     assert anonymous.sum().item() == total
 
 
+def test_copy_out_of_a_mapped_checkpoint(tmp_path):
+    """An untied embedding table copied out of the checkpoint a part at a time: the same values, and
+    none of the file's pages left resident (a whole copy leaves all of them, beside the copy)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("madvise on Linux only")
+
+    def resident_file_mb():
+        status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+        return int(status["RssFile"].split()[0]) / 1024
+
+    torch.save({"w": torch.randn(64, 2**18)}, tmp_path / "w.pth")  # 64 MiB: four parts of 16
+    w = torch.load(tmp_path / "w.pth", mmap=True, weights_only=True)["w"]
+    before = resident_file_mb()
+    copy = kernels.copy_out(w)
+    assert resident_file_mb() - before < 8
+    assert copy.data_ptr() != w.data_ptr() and torch.equal(copy, w)
+
+
+def test_int4_packed_in_parts_equals_whole(isa):
+    """quantized.pack_stored_int4 (a few rows at a time, as a first start loads an int4 output
+    projection) writes what pack_int4 of the whole unpacked weight does, a partial last block too."""
+    torch.manual_seed(0)
+    stored, sz = quantized.quantize_int4(torch.randn(200, 96), 32)
+    whole, _ = kernels.pack_int4(quantized.unpack_int4(stored), sz, isa)
+    assert torch.equal(quantized.pack_stored_int4(stored, isa, rows=64), whole)
+
+
 needs_cache_attention = pytest.mark.skipif(not kernels.best_isa(), reason="attention.cpp's kernels need AVX2")
 
 
