@@ -329,24 +329,19 @@ def weights(model: Transformer):
             yield name, t
 
 
-def model_bytes(model: Transformer) -> int:
-    """Bytes of weights read per decoded token (MoE: only the activated experts)."""
+def model_bytes(model: Transformer, all_experts: bool = False) -> int:
+    """Bytes of weights read per decoded token (MoE: only the activated experts), an embedding table
+    the output does not share included; all_experts: every weight the model holds."""
     total = 0
     for name, t in weights(model):
         if name.endswith("cos_sin"):  # the RoPE tables
             continue
         size = t.numel() * t.element_size()
         *_, parent, leaf = name.split(".")
-        if parent in ("feed_forward", "experts") and leaf.startswith("w"):  # stacked experts (not dense layers')
+        if not all_experts and parent in ("feed_forward", "experts") and leaf.startswith("w"):  # stacked experts
             size = size * model.config.num_activated_experts // model.config.num_experts
         total += size
     return total
-
-
-def held_bytes(model: Transformer) -> int:
-    """Bytes of every weight the model holds: all experts, an embedding table the output does not
-    share (not the RoPE tables, not the KV caches)."""
-    return sum(t.numel() * t.element_size() for name, t in weights(model) if not name.endswith("cos_sin"))
 
 
 def step_bytes(model: Transformer) -> int:

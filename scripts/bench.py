@@ -373,7 +373,7 @@ def worker_brisk(spec: dict) -> dict:
     timer.start()
     out = decode.generate(model, prompt, N, callback=timer, **fns)
     return dict(timer.summary(T), bytes_per_token=load.step_bytes(model),
-                weights_bytes=load.held_bytes(model), tokens=out[0, T:T + 32].tolist(),
+                weights_bytes=load.model_bytes(model, all_experts=True), tokens=out[0, T:T + 32].tolist(),
                 compile_s=warmup_s if spec["compile"] else None, activations=str(precision).removeprefix("torch."),
                 start_s=start_s,
                 **device_memory(device))
@@ -594,7 +594,7 @@ def summarize(case: Case, rounds: list, bandwidth: float) -> dict:
                 # The first round of a compiled case may compile cold; the lowest peak is a warm start's.
                 peak_rss_mb_min=min(r["peak_rss_mb"] or 0 for r in ok) or None,
                 peak_gpu_mb=max(r.get("peak_gpu_mb") or 0 for r in ok) or None,
-                bytes_per_token=nbytes, bandwidth_gbps=nbytes * decode / 1e9, weights_bytes=ok[0].get("weights_bytes"),
+                bytes_per_token=nbytes, bandwidth_gbps=nbytes * decode / 1e9, weights_bytes=ok[0]["weights_bytes"],
                 roofline_fraction=nbytes * decode / 1e9 / bandwidth,
                 compile_s=min(compile_s) if compile_s else None, compile_s_max=max(compile_s) if compile_s else None,
                 # The first round of a compiled case may compile cold; later rounds find the caches.
