@@ -157,12 +157,12 @@ def release_pages(t: Tensor) -> None:
     libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
 
 
-def copy_out(t: Tensor) -> Tensor:
-    """A copy in memory of t (a memory-mapped checkpoint's tensor on the CPU, read once), made 16 MB
-    at a time, each part's pages given back once copied (release_pages): copied whole, the file's
-    pages and the copy are both resident until the copy ends, for an untied embedding table the
-    highest point of loading a quantized model."""
-    new = torch.empty_like(t, memory_format=torch.contiguous_format)
+def copy_out(t: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """A copy in memory of t (a memory-mapped checkpoint's tensor on the CPU, read once), cast to
+    dtype, made 16 MB of t at a time, each part's pages given back once copied (release_pages):
+    copied whole, the file's pages and the copy are both resident until the copy ends (for an
+    untied embedding table the highest point of loading a quantized model)."""
+    new = torch.empty(t.shape, dtype=dtype or t.dtype)
     if not t.is_contiguous():
         return new.copy_(t)
     source, target = t.view(-1), new.view(-1)

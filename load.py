@@ -295,16 +295,19 @@ def build_model(config: ModelArgs, state_dict: dict, quantization: Optional[dict
 
 def to_device(model: torch.nn.Module, device, precision: torch.dtype) -> None:
     """model.to(device, precision) in place, a tensor at a time, each memory-mapped original's pages
-    given back as soon as its copy exists: the mapping keeps every page it read resident until its
-    last tensor goes, so a bf16 model cast from an fp32 checkpoint would otherwise hold both (3x the
-    bf16 weights at the peak). Integer tensors (quantized weights) keep their dtype; tied weights
+    given back as soon as its copy exists (a cast on the CPU: part by part, kernels.copy_out): the
+    mapping keeps every page it read resident until its last tensor goes, so a bf16 model cast from
+    an fp32 checkpoint would otherwise hold both (3x the bf16 weights at the peak). Integer tensors (quantized weights) keep their dtype; tied weights
     stay one tensor. A buffer is replaced, not changed in place: load_state_dict(assign=True) made
     it the state dict's own tensor, and the caller's dict would keep each copy alive after the
     model lets it go (a quantized model's scales, cast and then repacked by finalize_model)."""
-    from kernels import release_pages
+    from kernels import copy_out, release_pages
 
     def moved(old: torch.Tensor, dtype: torch.dtype = precision) -> torch.Tensor:
-        new = old.to(device=device, dtype=dtype if old.is_floating_point() else None)
+        dtype = dtype if old.is_floating_point() else old.dtype
+        if old.device.type == torch.device(device).type == "cpu" and old.dtype != dtype:
+            return copy_out(old, dtype)
+        new = old.to(device=device, dtype=dtype)
         if new is not old:
             release_pages(old)
         return new
