@@ -989,6 +989,77 @@ torch::Tensor packed_embedding(const torch::Tensor& idx, const torch::Tensor& pa
   return out;
 }
 
+// Rows of the embedding tied to a packed int8 output projection (pack_int8's layouts), times their
+// scales, in fp32.
+torch::Tensor packed_embedding_int8(const torch::Tensor& idx, const torch::Tensor& packed, const torch::Tensor& scales,
+                                    int64_t dim) {
+  bool lanes = packed.dim() == 4;  // INTEGER_ISAS: uint8 w + 128 [N / 32, Kp / 4, 32, 4]; else int8 [N / 32, K, 32]
+  TORCH_CHECK(lanes ? packed.scalar_type() == torch::kByte && packed.size(2) == BLOCK && packed.size(3) == 4
+                    : packed.scalar_type() == torch::kChar && packed.dim() == 3 && packed.size(2) == BLOCK,
+              "packed_embedding_int8: a weight packed by kernels.pack_int8");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.numel() == packed.size(0) * BLOCK,
+              "packed_embedding_int8: fp32 scales, one per packed row");
+  int64_t K = lanes ? packed.size(1) * 4 : packed.size(1), rows = packed.size(0) * BLOCK;
+  TORCH_CHECK(dim <= K, "packed_embedding_int8: ", dim, " features of ", K);
+  auto ids = idx.to(torch::kLong).contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < ids.numel(); r++)
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < rows, "packed_embedding_int8: index ", ip[r], " out of range");
+  auto shape = idx.sizes().vec();
+  shape.push_back(dim);
+  auto out = torch::empty(shape, torch::kFloat);
+  const uint8_t* p = (const uint8_t*)packed.data_ptr();
+  const float* s = scales.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < ids.numel(); r++) {
+    int64_t b = ip[r] / BLOCK, c = ip[r] % BLOCK;
+    const uint8_t* block = p + b * K * BLOCK;
+    for (int64_t k = 0; k < dim; k++) {
+      int q = lanes ? (int)block[(k / 4 * BLOCK + c) * 4 + k % 4] - 128 : (int)(int8_t)block[k * BLOCK + c];
+      o[r * dim + k] = (float)q * s[ip[r]];
+    }
+  }
+  return out;
+}
+
+// Rows of the embedding tied to a packed int4 output projection (pack_int4's layouts), dequantized
+// as dequantize_int4 does, (code - 8) * scale + zero, in fp32.
+torch::Tensor packed_embedding_int4(const torch::Tensor& idx, const torch::Tensor& packed, const torch::Tensor& sz,
+                                    int64_t dim) {
+  bool lanes = packed.dim() == 4;  // INTEGER_ISAS: [N / 32, Kp / 4, 16, 4]; else [N / 32, Kp, 16]
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && (lanes ? packed.size(3) == 4 : packed.dim() == 3) &&
+                  packed.size(2) == BLOCK / 2,
+              "packed_embedding_int4: a weight packed by kernels.pack_int4");
+  bool zeros = sz.dim() == 4;  // [N / 32, G, 2, 32]; or the scales alone, [N / 32, G, 32]
+  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.size(0) == packed.size(0) && sz.size(-1) == BLOCK &&
+                  (zeros ? sz.size(2) == 2 : sz.dim() == 3),
+              "packed_embedding_int4: scales (and zeros) packed by kernels.pack_int4");
+  int64_t K = lanes ? packed.size(1) * 4 : packed.size(1), rows = packed.size(0) * BLOCK, G = sz.size(1);
+  TORCH_CHECK(K % G == 0 && dim <= K, "packed_embedding_int4: ", dim, " features of ", K, " in ", G, " groups");
+  int64_t group = K / G, stride = sz_per_group(zeros);
+  auto ids = idx.to(torch::kLong).contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < ids.numel(); r++)
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < rows, "packed_embedding_int4: index ", ip[r], " out of range");
+  auto shape = idx.sizes().vec();
+  shape.push_back(dim);
+  auto out = torch::empty(shape, torch::kFloat);
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  const at::BFloat16* s = sz.data_ptr<at::BFloat16>();
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < ids.numel(); r++) {
+    int64_t b = ip[r] / BLOCK, c = ip[r] % BLOCK, j = c % (BLOCK / 2), shift = c < BLOCK / 2 ? 0 : 4;
+    const uint8_t* block = p + b * K * (BLOCK / 2);
+    for (int64_t k = 0; k < dim; k++) {
+      int code = (lanes ? block[(k / 4 * (BLOCK / 2) + j) * 4 + k % 4] : block[k * (BLOCK / 2) + j]) >> shift & 15;
+      const at::BFloat16* g = s + (b * G + k / group) * stride;
+      float scale = g[c], zero = zeros ? (float)g[BLOCK + c] : 0.f;
+      o[r * dim + k] = (float)(code - 8) * scale + zero;
+    }
+  }
+  return out;
+}
+
 bool attention_supported();  // attention.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1008,6 +1079,8 @@ TORCH_LIBRARY(brisk, m) {
   m.def("packed_linear_int4(Tensor x, Tensor packed, Tensor scales_and_zeros, int out_features, int isa) -> Tensor");
   m.def("packed_linear_bf16(Tensor x, Tensor packed, int out_features, int isa) -> Tensor");
   m.def("packed_embedding(Tensor idx, Tensor packed, int dim) -> Tensor");
+  m.def("packed_embedding_int8(Tensor idx, Tensor packed, Tensor scales, int dim) -> Tensor");
+  m.def("packed_embedding_int4(Tensor idx, Tensor packed, Tensor scales_and_zeros, int dim) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(brisk, CPU, m) {
   m.impl("packed_linear", &linear);
@@ -1015,4 +1088,6 @@ TORCH_LIBRARY_IMPL(brisk, CPU, m) {
   m.impl("packed_linear_int4", &linear_int4);
   m.impl("packed_linear_bf16", &linear_bf16);
   m.impl("packed_embedding", &packed_embedding);
+  m.impl("packed_embedding_int8", &packed_embedding_int8);
+  m.impl("packed_embedding_int4", &packed_embedding_int4);
 }

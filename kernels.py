@@ -129,6 +129,14 @@ def register_fake():
     def _(idx, packed, dim):
         return packed.new_empty(*idx.shape, dim)
 
+    @torch.library.register_fake("brisk::packed_embedding_int8")
+    def _(idx, packed, scales, dim):
+        return scales.new_empty(*idx.shape, dim)
+
+    @torch.library.register_fake("brisk::packed_embedding_int4")
+    def _(idx, packed, scales_and_zeros, dim):
+        return idx.new_empty(*idx.shape, dim, dtype=torch.float32)
+
     @torch.library.register_fake("brisk::decode_attention")
     def _(q, k_cache, v_cache, rows, mask, scale, isa):
         return q.new_empty(q.shape)

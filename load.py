@@ -284,6 +284,8 @@ def build_model(config: ModelArgs, state_dict: dict, quantization: Optional[dict
     model.load_state_dict(with_tied_output(state_dict, config), assign=True, strict=True)
     if config.tie_embeddings and quantization is None:
         model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
+    elif quantization is not None:
+        quantized.tie_embedding(model)  # a quantized tied output's rows, before tp.py shards it
     if tp is not None:
         from tp import apply_tp
         apply_tp(model, tp.rank, tp.world_size)

@@ -5,8 +5,9 @@
     python quantize.py --checkpoint_path checkpoints/X/model.pth --mode int4 --groupsize 32
     python quantize.py --checkpoint_path checkpoints/X/model.pth --mode int4-sym   # Q4_0's grid, 4.5 bits
 
-Every linear layer is quantized, the output projection included; the token embedding becomes
-int8 (one scale per row), which also unties a tied output projection. A mixture-of-experts
+Every linear layer is quantized, the output projection included. The token embedding of a tied
+model is the quantized output's rows (stored once, as the full-precision model stores them); an
+untied one becomes int8, one scale per row. A mixture-of-experts
 feed-forward quantizes its experts and keeps its small router in full precision. The format,
 the kernels and the modules that load it are quantized.py's.
 """
@@ -69,6 +70,10 @@ def quantize_state_dict(state_dict: dict, config: ModelArgs, mode: str, groupsiz
     todo = [(n, m) for n, m in model.named_modules()
             if isinstance(m, (nn.Linear, nn.Embedding, MoEFeedForward)) and n not in routers]
     out, layers = {}, {name: {"kind": "none", "reason": ROUTER_NOTE} for name in sorted(routers)}
+    if config.tie_embeddings:  # the embedding reads the quantized output's rows: the matrix is stored once
+        todo = [(n, m) for n, m in todo if n != "tok_embeddings"]
+        del weights["tok_embeddings.weight"]
+        layers["tok_embeddings"] = {"kind": "tied"}
     t0 = time.perf_counter()
     for i, (name, module) in enumerate(todo, 1):
         kind = "int8" if isinstance(module, nn.Embedding) else mode.removesuffix("-sym")

@@ -417,6 +417,58 @@ class QuantizedMoEFeedForward(MoEFeedForward):
                      for n in ("w1", "w3", "w2"))
 
 
+class TiedEmbedding(nn.Module):
+    """The token embedding of a tied model whose output projection is quantized: the output's rows,
+    dequantized, so that the matrix is held once, as in the full-precision model (quantize.py
+    writes it once). Where kernels.cpp packed the output whole, rows are gathered from its packed
+    weight (kernels.cpp); elsewhere from the stored layout, which this module keeps whole (`tie`):
+    the output's own tensors where its kernel reads that layout too (int8 everywhere, int4
+    dequantized), a 4-bit copy beside them where the output is repacked for ATen's int4 kernels or
+    is one tensor-parallel rank's shard."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.bits = self.groupsize = self.packed_weight = self.packed_scales = None
+        self.dtype = torch.float32
+
+    def tie(self, output: nn.Module):
+        """After load_state_dict: hold the output's stored tensors (non-persistent: the checkpoint
+        has them once, under output.*), which to_device then moves as one with the output's."""
+        assert isinstance(output, (Int8Linear, Int4Linear)) and not output.finalized
+        self.bits = 8 if isinstance(output, Int8Linear) else 4
+        self.groupsize = getattr(output, "groupsize", None)
+        self.register_buffer("weight", output.weight, persistent=False)
+        scales = "scales" if self.bits == 8 else "scales_and_zeros"
+        self.register_buffer(scales, getattr(output, scales), persistent=False)
+
+    def finalize(self, output: nn.Module, precision: torch.dtype):
+        """After the output's finalize: read its packed weight where it is the whole vocabulary."""
+        self.dtype = precision
+        if output.kernel == "packed" and output.out_features == self.num_embeddings:
+            self.packed_weight = output.weight  # plain attributes, as PackedEmbedding's: one copy
+            self.packed_scales = output.scales if self.bits == 8 else output.scales_and_zeros
+            for name in list(self._buffers):
+                self._buffers[name] = None  # the stored layout, mapped: let go
+
+    def forward(self, idx: Tensor) -> Tensor:
+        if self.packed_weight is not None:
+            op = torch.ops.brisk.packed_embedding_int8 if self.bits == 8 else torch.ops.brisk.packed_embedding_int4
+            return op(idx, self.packed_weight, self.packed_scales, self.embedding_dim).to(self.dtype)
+        if self.bits == 8:
+            return (F.embedding(idx, self.weight).float() * F.embedding(idx, self.scales[:, None]).float()).to(self.dtype)
+        codes = unpack_int4(F.embedding(idx, self.weight)).float()  # [..., Kp]
+        sz = self.scales_and_zeros.float()[:, idx].movedim(0, -2)  # [..., G, 2]
+        rows = (codes.unflatten(-1, (-1, self.groupsize)) - 8) * sz[..., :1] + sz[..., 1:]
+        return rows.flatten(-2)[..., :self.embedding_dim].to(self.dtype)
+
+
+def tie_embedding(model: Transformer) -> None:
+    """load.build_model, after load_state_dict: a TiedEmbedding holds the output's stored tensors."""
+    if isinstance(model.tok_embeddings, TiedEmbedding):
+        model.tok_embeddings.tie(model.output)
+
+
 QUANTIZED = (Int8Linear, Int4Linear, Int8Embedding, QuantizedMoEFeedForward)
 
 
@@ -433,6 +485,8 @@ def quantized_module(module: nn.Module, spec: dict, config: ModelArgs) -> nn.Mod
                           spec["padded_in_features"])
     if isinstance(module, nn.Embedding) and kind == "int8":
         return Int8Embedding(module.num_embeddings, module.embedding_dim)
+    if isinstance(module, nn.Embedding) and kind == "tied":
+        return TiedEmbedding(module.num_embeddings, module.embedding_dim)
     if isinstance(module, MoEFeedForward) and kind in ("int8", "int4"):
         return QuantizedMoEFeedForward(config, 8 if kind == "int8" else 4, spec.get("groupsize"),
                                        spec.get("padded_in_features"))
@@ -465,6 +519,8 @@ def finalize_model(model: Transformer, quantization: dict, device, precision: to
             kernels.trim_heap()  # what repacking freed, before the next layer's
             if "dequant" in (getattr(module, "kernel", None), *getattr(module, "kernels", {}).values()):
                 slow.append(name)
+    if isinstance(model.tok_embeddings, TiedEmbedding):
+        model.tok_embeddings.finalize(model.output, precision)
     if slow:
         print(f"quantize: {len(slow)} layers have no {quantization['mode']} kernel on {device.type} for their "
               f"shape and dequantize on every call (slower): {', '.join(slow[:5])}{' ...' if len(slow) > 5 else ''}",

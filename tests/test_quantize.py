@@ -175,7 +175,7 @@ def dequantized_model(path, quantized_path):
     model = load_model(path)
     ckpt = torch.load(quantized_path, weights_only=True)
     sd, layers = ckpt["state_dict"], ckpt["quantization"]["layers"]
-    if model.config.tie_embeddings:  # quantize.py quantizes the two apart: untie
+    if model.config.tie_embeddings:  # untied, each set below to its dequantized weights
         model.output.weight = torch.nn.Parameter(model.output.weight.clone())
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -193,6 +193,8 @@ def dequantized_model(path, quantized_path):
                 else:
                     continue
                 params[key].copy_(deq[..., :params[key].shape[-1]])
+        if layers.get("tok_embeddings") == {"kind": "tied"}:  # stored once: the quantized output's rows
+            params["tok_embeddings.weight"].copy_(params["output.weight"])
     return model
 
 
@@ -255,6 +257,52 @@ def test_model_equals_dequantized_model(family, mode, groupsize, kernel, tmp_pat
     torch.testing.assert_close(logits(load_without_kernels(qpath, monkeypatch)), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", ["aten", "dequant", "avx512vnni", "avx512", "avx2"])
+@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32), ("int4-sym", 64)])
+def test_tied_embedding_is_the_outputs_rows_held_once(mode, groupsize, kernel, tmp_path, monkeypatch):
+    """A quantized tied model stores the matrix once (output.*) and its embedding gathers the
+    dequantized rows: from kernels.cpp's packed weight, or the stored layout the output shares
+    (int8 under ATen; every layout when dequantizing) or, where ATen repacks int4, a copy of it."""
+    packed = kernel in kernel_isas()
+    if kernel not in ("aten", "dequant") and not packed:
+        pytest.skip(f"this CPU has no {kernel}")
+    monkeypatch.setattr(quantized.kernels, "best_isa", lambda: kernel if packed else "")
+    # 208 rows: a partial block of 32 (kernels.cpp's), whole tiles of 16 (ATen's int4)
+    path = save_random_model(tmp_path, tie_embeddings=True, vocab_size=208, dim=96)
+    qpath = quantize.quantize_checkpoint(path, mode, groupsize)
+    sd = torch.load(qpath, weights_only=True)["state_dict"]
+    reference = (quantized.dequantize_int8(sd["output.weight"], sd["output.scales"]) if mode == "int8" else
+                 quantized.dequantize_int4(sd["output.weight"], sd["output.scales_and_zeros"], groupsize))[:, :96]
+    model = load_without_kernels(qpath, monkeypatch) if kernel == "dequant" else load_model(qpath)
+    embedding, output = model.tok_embeddings, model.output
+    assert isinstance(embedding, quantized.TiedEmbedding)
+    idx = torch.tensor([[0, 1, 31, 32, 207], [150, 7, 7, 63, 64]])
+    torch.testing.assert_close(embedding(idx), reference[idx], rtol=1e-6, atol=1e-6)
+    if packed:
+        assert embedding.packed_weight is output.weight and embedding.weight is None
+    elif mode == "int8" or kernel == "dequant":
+        assert embedding.weight is output.weight  # one tensor
+    else:  # ATen's int4 kernel reads a layout of its own: the embedding keeps the 4-bit stored one
+        assert embedding.weight.shape == sd["output.weight"].shape and embedding.weight is not output.weight
+
+
+def test_tied_int8_table_of_an_earlier_quantize_still_loads(tmp_path):
+    """Before the embedding read the output's rows, a tied model's quantized checkpoint carried its
+    own int8 table."""
+    path = save_random_model(tmp_path, tie_embeddings=True)
+    qpath = quantize.quantize_checkpoint(path, "int4", 32)
+    ckpt = torch.load(qpath, weights_only=True)
+    table = torch.load(path, weights_only=True)["tok_embeddings.weight"]
+    ckpt["state_dict"]["tok_embeddings.weight"], ckpt["state_dict"]["tok_embeddings.scales"] = \
+        quantized.quantize_int8(table)
+    ckpt["quantization"]["layers"]["tok_embeddings"] = {"kind": "int8"}
+    torch.save(ckpt, qpath)
+    model = load_model(qpath)
+    assert isinstance(model.tok_embeddings, quantized.Int8Embedding)
+    idx = torch.tensor([[3, 200]])
+    torch.testing.assert_close(model.tok_embeddings(idx), table[idx], rtol=0, atol=table.abs().max() / 127)
+
+
 @pytest.mark.parametrize("family", ["llama", "tied_bias"])
 def test_error_against_unquantized_model(family, tmp_path):
     # Gaussian weights are the hard case (no structure to exploit). Per matrix, int8 with one scale
@@ -279,7 +327,8 @@ def test_metadata_records_every_module(tmp_path):
                                                                      MoEFeedForward))}
     assert set(meta["layers"]) == modules  # nothing silently skipped
     layers = meta["layers"]
-    assert layers["tok_embeddings"] == {"kind": "int8"}
+    assert layers["tok_embeddings"] == {"kind": "tied"}  # the output's rows: no table of its own
+    assert not any(k.startswith("tok_embeddings.") for k in ckpt["state_dict"])
     assert layers["output"] == {"kind": "int4", "groupsize": 128, "padded_in_features": 128}  # dim 64 padded
     assert layers["layers.0.feed_forward"]["padded_in_features"] == {"w1": 128, "w3": 128, "w2": 256}
     assert layers["layers.0.feed_forward.gate"]["kind"] == "none" and layers["layers.0.feed_forward.gate"]["reason"]
@@ -405,8 +454,8 @@ def test_real_model_int8(real):
 @pytest.mark.slow
 def test_real_model_int4_symmetric(real):
     """int4-sym on weights that lie on an asymmetric 4-bit grid (this checkpoint's Q4_1 origin),
-    which a symmetric one cannot follow: measured relative logits error 65% and top-1 50% (int4:
-    10%, 83%), the greedy text still sensible."""
+    which a symmetric one cannot follow: measured relative logits error 72% and top-1 50% (int4:
+    12%, 87%), the greedy text still sensible."""
     path, tokenizer, quantized = real
     model = load_model(quantized("int4-sym", 32))
     expected, got = teacher_forced(load_model(path), tokenizer), teacher_forced(model, tokenizer)
@@ -416,10 +465,11 @@ def test_real_model_int4_symmetric(real):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("groupsize, max_error, min_top1", [(32, 0.12, 0.8), (64, 0.65, 0.45), (128, 0.75, 0.5)])
+@pytest.mark.parametrize("groupsize, max_error, min_top1", [(32, 0.15, 0.8), (64, 0.7, 0.45), (128, 0.75, 0.45)])
 def test_real_model_int4(real, groupsize, max_error, min_top1):
-    # Measured (relative logits error, top-1): g32 9%, 90% (VNNI, activations rounded to int8:
-    # 10%, 83%); g64 53%, 53%; g128 (padded) 60%, 60%.
+    # Measured (relative logits error, top-1), the tied embedding's rows int4 too (README,
+    # Quantization): g32 11.8%, 87% (VNNI and AVX2, activations rounded to int8: 11.6%, 12.1%);
+    # g64 59%, 57%; g128 (padded) 62%, 53%.
     path, tokenizer, quantized = real
     model = load_model(quantized("int4", groupsize))
     expected, got = teacher_forced(load_model(path), tokenizer), teacher_forced(model, tokenizer)
@@ -449,7 +499,7 @@ def test_quantized_moe_compiled_decode_equals_eager(tmp_path, mode, groupsize):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_kind", ["llama", "moe"])
+@pytest.mark.parametrize("model_kind", ["llama", "moe", "tied_bias"])
 def test_compiled_int4_step_matches_dequantized_weights(tmp_path, model_kind):
     """The CPU --compile step of an int4 model (frozen; dense layers through inductor's int4
     template) equals the model with its int4 weights dequantized to fp32, as eager int4 does."""
