@@ -192,10 +192,15 @@ def brisk_checkpoint(model: Model, precision: str) -> Path:
     """model.pth for fp32/bf16 (cast at load time), a quantized copy in the work folder for int8/int4."""
     if precision in TORCH_DTYPES:
         return model.checkpoint
+    import hashlib
     import quantize
     group = None if precision == "int8" else INT4_GROUPSIZE  # precision: quantize.py's mode
-    path = model.work_dir / f"model_{precision}.pth"
+    # Named by the quantizing code, so that a file an earlier quantize.py wrote is not measured as this one's.
+    code = hashlib.sha256(b"".join((ROOT / f).read_bytes() for f in ("quantize.py", "quantized.py", "GPTQ.py")))
+    path = model.work_dir / f"model_{precision}.{code.hexdigest()[:12]}.pth"
     if not path.is_file():
+        for old in [model.work_dir / f"model_{precision}.pth", *model.work_dir.glob(f"model_{precision}.*.pth")]:
+            old.unlink(missing_ok=True)
         model.work_dir.mkdir(parents=True, exist_ok=True)
         if not (model.work_dir / "config.json").is_file():  # the 1B model is made in its work folder
             shutil.copyfile(model.checkpoint.parent / "config.json", model.work_dir / "config.json")
