@@ -90,7 +90,8 @@ def test_a_second_load_maps_the_kept_model(family, mode, cache, tmp_path):
     tensors = [t for _, t in second.state_dict(keep_vars=True).items()]
     if sys.platform.startswith("linux"):
         assert all(mapped_file(t) == str(file) for t in tensors if t.numel() > 1), "a tensor not read from the file"
-    assert shared_embedding(second) == shared_embedding(first)  # a tied weight stays one tensor
+    # A tied weight stays one tensor, quantized too (quantized.TiedEmbedding)
+    assert shared_embedding(second) == shared_embedding(first) == second.config.tie_embeddings
     for a, b in zip(outputs(second), outputs(afresh)):
         assert torch.equal(a, b)
 
@@ -102,7 +103,7 @@ def test_weights_read_back_in_small_pages_move_into_huge_pages(family, mode, cac
     step reads whole are copied into memory of 2 MB pages, tensors that shared a storage still
     share one, their file pages leave the process, and the model computes what a model packed
     afresh computes. An untied embedding table (int8 in a quantized model) stays mapped: a step
-    reads a row of it. A tiny model is smaller than a huge page: the size that decides it is made
+    reads a row of it; a tied one is the output's weight. A tiny model is smaller than a huge page: the size that decides it is made
     smaller too."""
     monkeypatch.setattr(kernels, "HUGE_PAGE", 64 << 10)
     path, precision = checkpoint(family, mode, tmp_path)
@@ -122,7 +123,7 @@ def test_weights_read_back_in_small_pages_move_into_huge_pages(family, mode, cac
     assert all(t.data_ptr() % 64 == 0 for t in moved)
     assert all(mapped_file(t) == str(file) for t in table)
     assert bool(table) == (not shared_embedding(second))
-    assert shared_embedding(second) == shared_embedding(first)
+    assert shared_embedding(second) == shared_embedding(first) == second.config.tie_embeddings
     afresh = kernels.pack_for_cpu(load_model(path, "cpu", precision))
     assert structure_digest(second) == structure_digest(afresh)
     for a, b in zip(outputs(second), outputs(afresh)):
