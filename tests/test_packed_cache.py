@@ -78,7 +78,8 @@ def checkpoint(family: str, mode: str, root, seed: int = 0) -> tuple:
 
 
 @pytest.mark.parametrize("family, mode", [("llama32", "float32"), ("llama32", "bfloat16"), ("qwen2", "int8"),
-                                          ("llama31", "int4"), ("mixtral", "int8"), ("gemma2", "int4")])
+                                          ("llama31", "int4"), ("llama32", "int4"), ("mixtral", "int8"),
+                                          ("gemma2", "int4")])
 def test_a_second_load_maps_the_kept_model(family, mode, cache, tmp_path):
     path, precision = checkpoint(family, mode, tmp_path)
     first = load_packed(path, "cpu", precision)
