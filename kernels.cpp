@@ -969,19 +969,27 @@ static void gather_columns(const int64_t* ids, int64_t n, const T* p, int64_t K,
   }
 }
 
+// An embedding lookup's indices as int64, each checked against the rows packed, and its output
+// [*idx.shape, dim].
+static std::pair<torch::Tensor, torch::Tensor> lookup(const torch::Tensor& idx, int64_t rows, int64_t dim,
+                                                      torch::TensorOptions options, const char* op) {
+  auto ids = idx.to(torch::kLong).contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < ids.numel(); r++)
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < rows, op, ": index ", ip[r], " out of range");
+  auto shape = idx.sizes().vec();
+  shape.push_back(dim);
+  return {ids, torch::empty(shape, options)};
+}
+
 torch::Tensor packed_embedding(const torch::Tensor& idx, const torch::Tensor& packed, int64_t dim) {
   bool pairs = packed.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(pairs ? packed.dim() == 4 && packed.size(3) == 2 : packed.scalar_type() == torch::kFloat && packed.dim() == 3,
               "packed_embedding: a weight packed by kernels.py");
   int64_t K = pairs ? packed.size(1) * 2 : packed.size(1), rows = packed.size(0) * BLOCK;
   TORCH_CHECK(dim <= K, "packed_embedding: ", dim, " features of ", K);
-  auto ids = idx.to(torch::kLong).contiguous();
+  auto [ids, out] = lookup(idx, rows, dim, packed.options(), "packed_embedding");
   const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t r = 0; r < ids.numel(); r++)
-    TORCH_CHECK(ip[r] >= 0 && ip[r] < rows, "packed_embedding: index ", ip[r], " out of range");
-  auto shape = idx.sizes().vec();
-  shape.push_back(dim);
-  auto out = torch::empty(shape, packed.options());
   if (pairs)
     gather_columns(ip, ids.numel(), packed.data_ptr<at::BFloat16>(), K, true, dim, out.data_ptr<at::BFloat16>());
   else
@@ -1001,13 +1009,8 @@ torch::Tensor packed_embedding_int8(const torch::Tensor& idx, const torch::Tenso
               "packed_embedding_int8: fp32 scales, one per packed row");
   int64_t K = lanes ? packed.size(1) * 4 : packed.size(1), rows = packed.size(0) * BLOCK;
   TORCH_CHECK(dim <= K, "packed_embedding_int8: ", dim, " features of ", K);
-  auto ids = idx.to(torch::kLong).contiguous();
+  auto [ids, out] = lookup(idx, rows, dim, torch::dtype(torch::kFloat), "packed_embedding_int8");
   const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t r = 0; r < ids.numel(); r++)
-    TORCH_CHECK(ip[r] >= 0 && ip[r] < rows, "packed_embedding_int8: index ", ip[r], " out of range");
-  auto shape = idx.sizes().vec();
-  shape.push_back(dim);
-  auto out = torch::empty(shape, torch::kFloat);
   const uint8_t* p = (const uint8_t*)packed.data_ptr();
   const float* s = scales.data_ptr<float>();
   float* o = out.data_ptr<float>();
@@ -1037,13 +1040,8 @@ torch::Tensor packed_embedding_int4(const torch::Tensor& idx, const torch::Tenso
   int64_t K = lanes ? packed.size(1) * 4 : packed.size(1), rows = packed.size(0) * BLOCK, G = sz.size(1);
   TORCH_CHECK(K % G == 0 && dim <= K, "packed_embedding_int4: ", dim, " features of ", K, " in ", G, " groups");
   int64_t group = K / G, stride = sz_per_group(zeros);
-  auto ids = idx.to(torch::kLong).contiguous();
+  auto [ids, out] = lookup(idx, rows, dim, torch::dtype(torch::kFloat), "packed_embedding_int4");
   const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t r = 0; r < ids.numel(); r++)
-    TORCH_CHECK(ip[r] >= 0 && ip[r] < rows, "packed_embedding_int4: index ", ip[r], " out of range");
-  auto shape = idx.sizes().vec();
-  shape.push_back(dim);
-  auto out = torch::empty(shape, torch::kFloat);
   const uint8_t* p = packed.data_ptr<uint8_t>();
   const at::BFloat16* s = sz.data_ptr<at::BFloat16>();
   float* o = out.data_ptr<float>();
