@@ -15,7 +15,7 @@ blocks before it, and within a block wqkv, wo, w1/w3 (which share their input) a
 quantized in that order, each on inputs produced by the ones quantized before it (the reference
 implementation's "true sequential"). Memory: the model plus two copies of one block's input.
 The output projection is quantized by GPTQ too, on the final norm's outputs; the embedding is
-int8 as quantize.py makes it.
+as quantize.py makes it (a tied one reads the quantized output's rows).
 """
 import time
 from pathlib import Path
@@ -190,9 +190,13 @@ def gptq_model(model: Transformer, tokens: Tensor, groupsize: int, percdamp: flo
                 f"({'x'.join(map(str, w.shape))})")
         log(f"  ({time.perf_counter() - t0:.1f} s)")
 
-    # The embedding is a lookup, not a product: int8 rows as quantize.py makes them.
-    out["tok_embeddings.weight"], out["tok_embeddings.scales"] = quantize_int8(model.tok_embeddings.weight)
-    layers["tok_embeddings"] = {"kind": "int8"}
+    # The embedding is a lookup, not a product: as quantize.py makes it, a tied one the quantized
+    # output's rows (quantized.TiedEmbedding), an untied one int8 rows.
+    if c.tie_embeddings:
+        layers["tok_embeddings"] = {"kind": "tied"}
+    else:
+        out["tok_embeddings.weight"], out["tok_embeddings.scales"] = quantize_int8(model.tok_embeddings.weight)
+        layers["tok_embeddings"] = {"kind": "int8"}
     x = model.embed(tokens)  # (n, T, D): the first block's inputs
 
     def run(block, block_args) -> Tensor:

@@ -51,7 +51,7 @@ def output_error(x, w, approx):
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("groupsize", [32, 64])
 def test_every_layer_beats_rtn_on_held_out_inputs(tmp_path, groupsize, act_order):
-    # Tied output projection and q/k/v bias: the untying and the kept biases are exercised too;
+    # Tied output projection (the embedding its quantized rows) and q/k/v bias: the kept biases are exercised too;
     # w2's 160 inputs are padded to a multiple of the group size.
     path = save_random_model(tmp_path, tie_embeddings=True, attention_bias=True)
     original = load_model(path)
@@ -61,6 +61,7 @@ def test_every_layer_beats_rtn_on_held_out_inputs(tmp_path, groupsize, act_order
     weights = original.state_dict()
     linears = [name for name, spec in layers.items() if spec["kind"] == "int4"]
     assert len(linears) == 2 * 5 + 1
+    assert layers["tok_embeddings"] == {"kind": "tied"} and not any(k.startswith("tok_embeddings.") for k in sd)
     for name in linears:
         w = weights[f"{name}.weight"]
         rtn = quantized.dequantize_int4(*quantized.quantize_int4(w, groupsize), groupsize)[:, :w.shape[1]]
