@@ -165,12 +165,13 @@ def release_pages(t: Tensor) -> None:
     libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
 
 
-def copy_out(t: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
-    """A copy in memory of t (a memory-mapped checkpoint's tensor on the CPU, read once), cast to
-    dtype, made 16 MB of t at a time, each part's pages given back once copied (release_pages):
-    copied whole, the file's pages and the copy are both resident until the copy ends (for an
-    untied embedding table the highest point of loading a quantized model)."""
-    new = torch.empty(t.shape, dtype=dtype or t.dtype)
+def copy_out(t: Tensor, dtype: Optional[torch.dtype] = None, out: Optional[Tensor] = None) -> Tensor:
+    """A copy in memory of t (a memory-mapped tensor on the CPU, read once), cast to dtype, made 16
+    MB of t at a time, each part's pages given back once copied (release_pages): copied whole, the
+    file's pages and the copy are both resident until the copy ends, the largest tensor's bytes
+    above the weights (an untied embedding table loading a quantized model; a packed model's output
+    projection moving into huge pages). out: where to write it (t's shape and dtype)."""
+    new = torch.empty(t.shape, dtype=dtype or t.dtype) if out is None else out
     if not t.is_contiguous():
         return new.copy_(t)
     source, target = t.view(-1), new.view(-1)
@@ -178,6 +179,7 @@ def copy_out(t: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
     for i in range(0, source.numel(), step):
         target[i:i + step].copy_(source[i:i + step])
         release_pages(source[i:i + step])
+    release_pages(source)  # the pages that straddle two parts
     return new
 
 
@@ -297,7 +299,7 @@ def move_storage(region, offset: int, users: list) -> None:
     a storage of its own there (torch.save keeps tensors of different types apart)."""
     old = users[0][2].untyped_storage()
     new = torch.frombuffer(region, dtype=torch.uint8, count=old.nbytes(), offset=offset)
-    new.copy_(torch.empty(0, dtype=torch.uint8).set_(old))
+    copy_out(torch.empty(0, dtype=torch.uint8).set_(old), out=new)
     for holder, name, t in users:  # a parameter held twice is moved twice, to the same place
         moved = torch.empty(0, dtype=t.dtype).set_(new.untyped_storage(), t.storage_offset(), t.shape, t.stride())
         if isinstance(t, nn.Parameter):

@@ -554,22 +554,30 @@ def test_release_pages_of_a_mapped_checkpoint(tmp_path):
     assert anonymous.sum().item() == total
 
 
-def test_copy_out_of_a_mapped_checkpoint(tmp_path):
-    """An untied embedding table copied out of the checkpoint a part at a time: the same values, and
-    none of the file's pages left resident (a whole copy leaves all of them, beside the copy)."""
+@pytest.mark.parametrize("into", ["new", "out"])
+def test_copy_out_of_a_mapped_checkpoint(tmp_path, into):
+    """An untied embedding table copied out of the checkpoint (or a kept packed weight into memory
+    of huge pages: out=) a part at a time: the same values, none of the file's pages left resident
+    (a whole copy leaves all of them, beside the copy), and at no point more than a part of them
+    beside the copy (a whole copy released after it peaks at both)."""
     if not sys.platform.startswith("linux"):
         pytest.skip("madvise on Linux only")
 
-    def resident_file_mb():
+    def status_mb(field):
         status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-        return int(status["RssFile"].split()[0]) / 1024
+        return int(status[field].split()[0]) / 1024
 
     torch.save({"w": torch.randn(64, 2**18)}, tmp_path / "w.pth")  # 64 MiB: four parts of 16
     w = torch.load(tmp_path / "w.pth", mmap=True, weights_only=True)["w"]
-    before = resident_file_mb()
-    copy = kernels.copy_out(w)
-    assert resident_file_mb() - before < 8
+    out = torch.zeros_like(w) if into == "out" else None  # its pages resident before the copy
+    before = status_mb("RssFile")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the resident memory now
+    base = status_mb("VmHWM")
+    copy = kernels.copy_out(w, out=out)
+    assert status_mb("RssFile") - before < 8
+    assert status_mb("VmHWM") - base < (16 if into == "out" else 64 + 16) + 8
     assert copy.data_ptr() != w.data_ptr() and torch.equal(copy, w)
+    assert out is None or copy is out
 
 
 def test_int4_packed_in_parts_equals_whole(isa):
