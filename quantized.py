@@ -458,7 +458,7 @@ class TiedEmbedding(nn.Module):
         if self.bits == 8:
             return (F.embedding(idx, self.weight).float() * F.embedding(idx, self.scales[:, None]).float()).to(self.dtype)
         codes = unpack_int4(F.embedding(idx, self.weight)).float()  # [..., Kp]
-        sz = self.scales_and_zeros.float()[:, idx].movedim(0, -2)  # [..., G, 2]
+        sz = self.scales_and_zeros[:, idx].float().movedim(0, -2)  # [..., G, 2]: the rows' alone
         rows = (codes.unflatten(-1, (-1, self.groupsize)) - 8) * sz[..., :1] + sz[..., 1:]
         return rows.flatten(-2)[..., :self.embedding_dim].to(self.dtype)
 
