@@ -1005,7 +1005,8 @@ torch::Tensor packed_embedding_int8(const torch::Tensor& idx, const torch::Tenso
   TORCH_CHECK(lanes ? packed.scalar_type() == torch::kByte && packed.size(2) == BLOCK && packed.size(3) == 4
                     : packed.scalar_type() == torch::kChar && packed.dim() == 3 && packed.size(2) == BLOCK,
               "packed_embedding_int8: a weight packed by kernels.pack_int8");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.numel() == packed.size(0) * BLOCK,
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.numel() == packed.size(0) * BLOCK &&
+                  packed.is_contiguous() && scales.is_contiguous(),
               "packed_embedding_int8: fp32 scales, one per packed row");
   int64_t K = lanes ? packed.size(1) * 4 : packed.size(1), rows = packed.size(0) * BLOCK;
   TORCH_CHECK(dim <= K, "packed_embedding_int8: ", dim, " features of ", K);
@@ -1035,7 +1036,7 @@ torch::Tensor packed_embedding_int4(const torch::Tensor& idx, const torch::Tenso
               "packed_embedding_int4: a weight packed by kernels.pack_int4");
   bool zeros = sz.dim() == 4;  // [N / 32, G, 2, 32]; or the scales alone, [N / 32, G, 32]
   TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.size(0) == packed.size(0) && sz.size(-1) == BLOCK &&
-                  (zeros ? sz.size(2) == 2 : sz.dim() == 3),
+                  (zeros ? sz.size(2) == 2 : sz.dim() == 3) && packed.is_contiguous() && sz.is_contiguous(),
               "packed_embedding_int4: scales (and zeros) packed by kernels.pack_int4");
   int64_t K = lanes ? packed.size(1) * 4 : packed.size(1), rows = packed.size(0) * BLOCK, G = sz.size(1);
   TORCH_CHECK(K % G == 0 && dim <= K, "packed_embedding_int4: ", dim, " features of ", K, " in ", G, " groups");
