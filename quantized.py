@@ -456,11 +456,10 @@ class TiedEmbedding(nn.Module):
             op = torch.ops.brisk.packed_embedding_int8 if self.bits == 8 else torch.ops.brisk.packed_embedding_int4
             return op(idx, self.packed_weight, self.packed_scales, self.embedding_dim).to(self.dtype)
         if self.bits == 8:
-            return (F.embedding(idx, self.weight).float() * F.embedding(idx, self.scales[:, None]).float()).to(self.dtype)
-        codes = unpack_int4(F.embedding(idx, self.weight)).float()  # [..., Kp]
-        sz = self.scales_and_zeros[:, idx].float().movedim(0, -2)  # [..., G, 2]: the rows' alone
-        rows = (codes.unflatten(-1, (-1, self.groupsize)) - 8) * sz[..., :1] + sz[..., 1:]
-        return rows.flatten(-2)[..., :self.embedding_dim].to(self.dtype)
+            return dequantize_int8(self.weight[idx], self.scales[idx]).to(self.dtype)
+        ids = idx.reshape(-1)  # the gathered rows alone, dequantized as the output's weight is
+        rows = dequantize_int4(self.weight[ids], self.scales_and_zeros[:, ids], self.groupsize)
+        return rows[:, :self.embedding_dim].reshape(*idx.shape, -1).to(self.dtype)
 
 
 def tie_embedding(model: Transformer) -> None:
