@@ -296,7 +296,8 @@ def huge_page_region(nbytes: int) -> tuple:
 
 def move_storage(region, offset: int, users: list) -> None:
     """into_huge_pages for the tensors on one storage, (holder, name, tensor) each: to region[offset:],
-    a storage of its own there (torch.save keeps tensors of different types apart)."""
+    a storage of its own there (torch.save keeps tensors of different types apart), the file's
+    pages given back as copy_out goes."""
     old = users[0][2].untyped_storage()
     new = torch.frombuffer(region, dtype=torch.uint8, count=old.nbytes(), offset=offset)
     copy_out(torch.empty(0, dtype=torch.uint8).set_(old), out=new)
@@ -306,7 +307,6 @@ def move_storage(region, offset: int, users: list) -> None:
             t.data = moved
         else:
             holder[name] = moved
-    release_pages(torch.empty(0, dtype=torch.uint8).set_(old))
 
 
 def trim_heap() -> None:
