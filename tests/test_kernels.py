@@ -219,7 +219,8 @@ def test_packed_embedding_reads_the_packed_rows(isa, dtype):
 def test_fused_feed_forward_is_its_two_products(isa, kind):
     """w1 and w3 packed as one product (kernels.fuse_feed_forwards) give exactly what the two give
     (int8 / int4: the same rounding of x), for every row count around the tiles; a hidden size that
-    ends inside a block of 32 stays two products."""
+    ends inside a block of 32 stays two products. A prompt's rows go through it a block at a time,
+    with the same result (up to the order of a sum: the products pick their tiles by the rows they get)."""
     from model import FeedForward, ModelArgs
     dtype = torch.bfloat16 if kind == "bf16" else torch.float32
     torch.manual_seed(3)
@@ -253,6 +254,14 @@ def test_fused_feed_forward_is_its_two_products(isa, kind):
         for rows in ROWS:
             x = torch.randn(2, rows, 64).to(dtype)
             assert torch.equal(model.layers[0].feed_forward(x), ff(x)), (hidden, rows)
+        if fused:  # a prompt's rows a block at a time: exactly all of them at once
+            packed = model.layers[0].feed_forward
+            x = torch.randn(2, 21, 64).to(dtype)
+            whole = packed(x)  # 42 rows: one block of the default size
+            packed.rows_at_once, blocks = 8, []
+            packed.w13.register_forward_pre_hook(lambda m, args: blocks.append(args[0].shape[:-1]))
+            torch.testing.assert_close(packed(x), whole)
+            assert blocks == [(8,)] * 5 + [(2,)], blocks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
