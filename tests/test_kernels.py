@@ -254,7 +254,7 @@ def test_fused_feed_forward_is_its_two_products(isa, kind):
         for rows in ROWS:
             x = torch.randn(2, rows, 64).to(dtype)
             assert torch.equal(model.layers[0].feed_forward(x), ff(x)), (hidden, rows)
-        if fused:  # a prompt's rows a block at a time: exactly all of them at once
+        if fused:  # a prompt's rows a block at a time: all of them at once, but for the order of a sum
             packed = model.layers[0].feed_forward
             x = torch.randn(2, 21, 64).to(dtype)
             whole = packed(x)  # 42 rows: one block of the default size
