@@ -9,7 +9,9 @@
 // that even one sequence with three key/value heads keeps both cores busy. And a prompt's causal
 // attention from position 0 over its own keys (prefill; further down).
 // Built with kernels.cpp into one extension (kernels.py); AVX-512 or AVX2, by the ops' isa argument.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -322,8 +324,8 @@ AVX2 void attend_chunk8(const float* q, int64_t R, int64_t D, const T* k, const 
 }
 
 template <class T>
-torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                     const int64_t* rows, const torch::Tensor& mask, double scale, bool avx512) {
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const int64_t* rows, const at::Tensor& mask, double scale, bool avx512) {
   int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = mask.size(-1);
   const int64_t lanes = avx512 ? 16 : 8;
   int64_t cache_S = k_cache.size(2), vecs = 1;
@@ -333,7 +335,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   // Query rows in fp32, each padded with zeros to vecs vectors (the loads of the cache beyond D
   // give zeros too).
   std::vector<float> qf(B * H * R * width, 0.f);  // a few hundred floats: no ATen op for them
-  bool q_bf16 = q.scalar_type() == torch::kBFloat16;
+  bool q_bf16 = q.scalar_type() == at::kBFloat16;
   const void* q_data = q.data_ptr();
   for (int64_t i = 0; i < B * H * R; i++)
     for (int64_t d = 0; d < D; d++)
@@ -399,8 +401,8 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
     }
   });
   // Merge the chunks of each head: rescale each by exp(its max - the overall max).
-  auto out = torch::empty({B, H, R, D}, q.options());
-  bool out_bf16 = q.scalar_type() == torch::kBFloat16;  // rounded from an fp32 row, no fp32 tensor to copy
+  auto out = at::empty({B, H, R, D}, q.options());
+  bool out_bf16 = q.scalar_type() == at::kBFloat16;  // rounded from an fp32 row, no fp32 tensor to copy
   std::vector<float> row(out_bf16 ? D : 0);
   for (int64_t bh = 0; bh < B * H; bh++) {
     for (int64_t r = 0; r < R; r++) {
@@ -719,8 +721,8 @@ void transpose_keys(const C* k, int64_t ld_k, int64_t n, int64_t D, int64_t ld, 
 
 // y [B, T, H * D] = causal attention of q [B, H, T, D] over k, v [B, KV, T, D].
 template <class E>
-void attend_prompt(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, float scale, bool avx512,
-                   torch::Tensor& y) {
+void attend_prompt(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale, bool avx512,
+                   at::Tensor& y) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), KV = k.size(1), rep = H / KV;
   const int64_t Tp = key_stride(T), blocks = (T + QBLOCK - 1) / QBLOCK;
   const E* kp = k.data_ptr<E>();
@@ -751,13 +753,13 @@ void attend_prompt(const torch::Tensor& q, const torch::Tensor& k, const torch::
 // the engine's ragged prompts): blocks of QBLOCK rows in attend_block's tiles, each block reading
 // the positions from the first any of its rows sees to the last (from the mask rows).
 template <class E, class C>
-torch::Tensor attend_many(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                          const int64_t* rows, const torch::Tensor& mask, float scale, bool avx512) {
+at::Tensor attend_many(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const int64_t* rows, const at::Tensor& mask, float scale, bool avx512) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = mask.size(-1);
   const int64_t cache_S = k_cache.size(2), Sp = key_stride(S), blocks = (R + QBLOCK - 1) / QBLOCK;
   const bool per_row = mask.dim() == 4;
   const bool* mp = mask.data_ptr<bool>();
-  auto out = torch::empty({B, H, R, D}, q.options());
+  auto out = at::empty({B, H, R, D}, q.options());
   std::vector<float> kt(B * H * D * Sp);
   at::parallel_for(0, B * H, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t bh = h0; bh < h1; bh++) {
@@ -801,15 +803,15 @@ bool attention_supported() {  // AVX-512's code (else AVX2's): kernels.py and ro
 // k_cache, v_cache [rows, H, S', D]; rows [B]: the cache row of each sequence (None: 0..B-1); mask
 // [R, S] or [B, 1, R, S], true where a query row sees a position (S <= S'). Returns softmax(q k^T * scale, masked) v,
 // [B, H, R, D] in q's dtype. isa (kernels.ISA_CODES, as the products'): 0 AVX2, else AVX-512 where the CPU has it.
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                               const c10::optional<torch::Tensor>& rows, const torch::Tensor& mask, double scale,
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                               const c10::optional<at::Tensor>& rows, const at::Tensor& mask, double scale,
                                int64_t isa) {
   check_avx2();
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.size(1) == q.size(1) && k_cache.size(3) == q.size(3),
               "decode_attention: q [B, H, R, D] and caches [rows, H, S, D]");
-  auto is_f32_or_bf16 = [](const torch::Tensor& t) {
-    return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
+  auto is_f32_or_bf16 = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
   };
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && is_f32_or_bf16(k_cache) && is_f32_or_bf16(q),
               "decode_attention: q float32 or bfloat16, both caches in one of those");
@@ -817,12 +819,12 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   TORCH_CHECK(q.size(3) <= 256 && (q.size(2) <= MAX_ROWS || q.size(3) % 16 == 0),
               "decode_attention: at most 256 features, a multiple of 16 for more than ", MAX_ROWS, " query rows per head");
   int64_t B = q.size(0), R = q.size(2), S = mask.size(-1);
-  TORCH_CHECK(mask.scalar_type() == torch::kBool && S <= k_cache.size(2) &&
+  TORCH_CHECK(mask.scalar_type() == at::kBool && S <= k_cache.size(2) &&
                   (mask.dim() == 2 ? mask.size(0) == R : mask.dim() == 4 && mask.size(0) == B && mask.size(2) == R),
               "decode_attention: a bool mask [R, S] or [B, 1, R, S], S within the cache");
-  torch::Tensor row_ids;
+  at::Tensor row_ids;
   if (rows.has_value()) {
-    row_ids = rows->to(torch::kLong).contiguous();
+    row_ids = rows->to(at::kLong).contiguous();
     TORCH_CHECK(row_ids.numel() == B, "decode_attention: one cache row per sequence");
     const int64_t* ip = row_ids.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; b++)
@@ -834,10 +836,10 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   auto qc = q.contiguous();
   const int64_t* rp = rows.has_value() ? row_ids.data_ptr<int64_t>() : nullptr;
   // The query rows are read into fp32 whatever their dtype; the caches' dtype picks the loads.
-  bool cache_f32 = k_cache.scalar_type() == torch::kFloat;
+  bool cache_f32 = k_cache.scalar_type() == at::kFloat;
   const bool avx512 = wide(isa);
   if (R > MAX_ROWS) {
-    if (qc.scalar_type() == torch::kFloat)
+    if (qc.scalar_type() == at::kFloat)
       return cache_f32 ? attend_many<float, float>(qc, k_cache, v_cache, rp, m, scale, avx512)
                        : attend_many<float, at::BFloat16>(qc, k_cache, v_cache, rp, m, scale, avx512);
     return cache_f32 ? attend_many<at::BFloat16, float>(qc, k_cache, v_cache, rp, m, scale, avx512)
@@ -851,21 +853,21 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 // whole sequences so far from position 0: causal attention, softmax(q k^T * scale) v, returned as
 // [B, T, H * D] in q's dtype (the layout the output projection reads). isa (kernels.ISA_CODES, as
 // the products'): 0 AVX2, else AVX-512 where the CPU has it.
-torch::Tensor prompt_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
+at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                int64_t isa) {
   check_avx2();
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == q.size(0) &&
                   k.size(2) == q.size(2) && k.size(3) == q.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
               "prompt_attention: q [B, H, T, D], k and v [B, KV, T, D], H a multiple of KV");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
-                  (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16),
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "prompt_attention: q, k, v all float32 or all bfloat16");
   TORCH_CHECK(q.size(3) % 16 == 0 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "prompt_attention: a multiple of 16 features, contiguous");
-  auto y = torch::empty({q.size(0), q.size(2), q.size(1) * q.size(3)}, q.options());
+  auto y = at::empty({q.size(0), q.size(2), q.size(1) * q.size(3)}, q.options());
   if (q.numel() == 0) return y;
   const bool avx512 = wide(isa);
-  if (q.scalar_type() == torch::kFloat)
+  if (q.scalar_type() == at::kFloat)
     attend_prompt<float>(q, k, v, (float)scale, avx512, y);
   else
     attend_prompt<at::BFloat16>(q, k, v, (float)scale, avx512, y);

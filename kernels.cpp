@@ -14,7 +14,12 @@
 // With AVX-512 VNNI, or AVX2 alone, int8 / int4 multiply bytes in integers instead (below).
 // Blocks are split between torch's threads. Built at first use by kernels.py; the instruction set
 // is picked at run time (functions compiled per target, chosen by what the CPU reports).
-#include <torch/extension.h>
+// ATen's tensor and torch's op registry alone: torch/extension.h (pybind11, the C++ frontend) would
+// add ~20 s of parsing to each file's compile, a first run's wait.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -738,12 +743,12 @@ static int64_t block_group_bytes() {
 // m, rows, out) writes rows m.. of block b into out. tiles: AMX's configuration, which each thread
 // loads (nullptr: none).
 template <class Tile>
-static torch::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t block_bytes, int64_t rows_per_tile,
-                         const torch::Tensor& x, int64_t isa, Tile tile, const TileConfig* tiles = nullptr) {
+static at::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t block_bytes, int64_t rows_per_tile,
+                         const at::Tensor& x, int64_t isa, Tile tile, const TileConfig* tiles = nullptr) {
   auto shape = x.sizes().vec();
   shape.back() = N;
-  auto y = torch::empty(shape, x.options());  // fp32, or bf16 (rounded from the fp32 sums)
-  bool bf16 = y.scalar_type() == torch::kBFloat16;
+  auto y = at::empty(shape, x.options());  // fp32, or bf16 (rounded from the fp32 sums)
+  bool bf16 = y.scalar_type() == at::kBFloat16;
   char* yp = static_cast<char*>(y.data_ptr());
   int64_t row_bytes = x.size(-1) * x.element_size();
   int64_t rows_group = std::max<int64_t>(1, ROW_GROUP_BYTES / row_bytes / rows_per_tile) * rows_per_tile;
@@ -778,7 +783,7 @@ static torch::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t block_byt
 
 // The fp32-FMA tiles for a weight format W (`format(b, m)`: block b's, for rows from m).
 template <class Format>
-static torch::Tensor run_fma(const torch::Tensor& x, int64_t N, int64_t blocks, int64_t block_bytes, int64_t isa,
+static at::Tensor run_fma(const at::Tensor& x, int64_t N, int64_t blocks, int64_t block_bytes, int64_t isa,
                              Format format) {
   bool wide = isa == ISA_AVX512 || isa == ISA_AVX512VNNI;
   TORCH_CHECK(wide || isa == ISA_AVX2, "kernels: unknown instruction set ", isa);
@@ -803,7 +808,7 @@ static torch::Tensor run_fma(const torch::Tensor& x, int64_t N, int64_t blocks, 
 }
 
 template <bool INT4>
-static torch::Tensor run_integer(const torch::Tensor& x, int64_t N, int64_t blocks, int64_t Kp, const uint8_t* w,
+static at::Tensor run_integer(const at::Tensor& x, int64_t N, int64_t blocks, int64_t Kp, const uint8_t* w,
                                  const float* scales, const uint16_t* sz, bool zeros, int64_t group, int64_t isa) {
   int64_t K = x.size(-1), M = x.numel() / K, bytes = INT4 ? BLOCK / 2 : BLOCK, nb = Kp / BLOCK;
   QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K, Kp);
@@ -840,15 +845,15 @@ static torch::Tensor run_integer(const torch::Tensor& x, int64_t N, int64_t bloc
 // x's rows, read in place where x is contiguous (the usual case; contiguous() then returns x
 // without a dispatch): no reshape or view through the dispatcher, whose calls add up over the few
 // hundred products of a small model's step.
-static torch::Tensor rows_of(const torch::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() >= 1 && x.size(-1) == K, "kernels: x must be float32 with ",
+static at::Tensor rows_of(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == K, "kernels: x must be float32 with ",
               K, " features");
   return x.contiguous();
 }
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t isa) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t isa) {
   int64_t blocks = packed.size(0), K = packed.size(1);
-  TORCH_CHECK(packed.scalar_type() == torch::kFloat && packed.dim() == 3 && packed.size(2) == BLOCK &&
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == BLOCK &&
               blocks * BLOCK >= N, "packed_linear: a float32 weight packed [N / 32, K, 32]");
   auto x2 = rows_of(x, K);
   const float* wp = packed.data_ptr<float>();
@@ -857,15 +862,15 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
 
 // int8: packed int8 [N / 32, K, 32] (AVX-512 FMA), or uint8 [N / 32, Kp / 4, 32, 4] holding w + 128
 // (integer products: VNNI, AVX2).
-torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, int64_t N,
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
                           int64_t isa) {
   bool integer = integer_products(isa);
   int64_t blocks = packed.size(0), K = x.size(-1), Kp = integer ? packed.size(1) * 4 : packed.size(1);
-  TORCH_CHECK(integer ? packed.scalar_type() == torch::kByte && packed.dim() == 4 && packed.size(2) == BLOCK &&
+  TORCH_CHECK(integer ? packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(2) == BLOCK &&
                          packed.size(3) == 4 && Kp == (K + BLOCK - 1) / BLOCK * BLOCK
-                   : packed.scalar_type() == torch::kChar && packed.dim() == 3 && packed.size(2) == BLOCK && Kp == K,
+                   : packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.size(2) == BLOCK && Kp == K,
               "packed_linear_int8: a weight packed for ", isa_name(isa), " with ", K, " input features");
-  TORCH_CHECK(blocks * BLOCK >= N && scales.scalar_type() == torch::kFloat && scales.numel() == blocks * BLOCK &&
+  TORCH_CHECK(blocks * BLOCK >= N && scales.scalar_type() == at::kFloat && scales.numel() == blocks * BLOCK &&
               scales.is_contiguous(), "packed_linear_int8: float32 scales, one per packed column");
   auto x2 = rows_of(x, K);
   const float* sp = scales.data_ptr<float>();
@@ -878,16 +883,16 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
 // int4: packed uint8 [N / 32, Kp, 16] (AVX-512 FMA) or [N / 32, Kp / 4, 16, 4] (VNNI, AVX2), Kp: K padded to
 // whole groups (x may have fewer features: the padding meets no x); bf16 scales and zeros
 // [N / 32, groups, 2, 32], or scales alone [N / 32, groups, 32] where every zero is 0.
-torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz, int64_t N,
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
                           int64_t isa) {
   bool integer = integer_products(isa);
   int64_t blocks = packed.size(0), Kp = integer ? packed.size(1) * 4 : packed.size(1), groups = sz.size(1),
           K = x.size(-1);
-  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == (integer ? 4 : 3) &&
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == (integer ? 4 : 3) &&
               packed.size(2) == BLOCK / 2 && (!integer || packed.size(3) == 4) && blocks * BLOCK >= N,
               "packed_linear_int4: a uint8 weight packed for ", isa_name(isa));
   bool zeros = sz.dim() == 4;
-  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && (zeros ? sz.size(2) == 2 : sz.dim() == 3) &&
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && (zeros ? sz.size(2) == 2 : sz.dim() == 3) &&
               sz.size(0) == blocks && sz.size(-1) == BLOCK && sz.is_contiguous() && Kp % groups == 0 &&
               Kp / groups % BLOCK == 0, "packed_linear_int4: bf16 scales and zeros packed [N / 32, groups, 2, 32], "
               "or scales [N / 32, groups, 32], of groups of 32k columns");
@@ -908,12 +913,12 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
   });
 }
 
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t isa) {
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t isa) {
   int64_t blocks = packed.size(0), K2 = packed.size(1), K = x.size(-1);
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 && packed.size(2) == BLOCK &&
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == BLOCK &&
               packed.size(3) == 2 && blocks * BLOCK >= N && K2 == (K + 1) / 2,
               "packed_linear_bf16: a bf16 weight packed [N / 32, K / 2, 32, 2] for ", K, " input features");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "packed_linear_bf16: x must be bf16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "packed_linear_bf16: x must be bf16");
   TORCH_CHECK(isa == ISA_AVX2 || isa == ISA_AVX512 || isa == ISA_AVX512VNNI, "kernels: unknown instruction set ", isa);
   static const bool bf16_dot = has_bf16_dot();  // asked once, not on every call of a decode step
   // vdpbf16ps, and AMX for a prompt's rows. Every CPU with AVX-512 BF16 has VNNI, so the plain
@@ -923,7 +928,7 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, i
   bool amx = dot && M >= AMX_ROWS && has_amx();
   // Whole pairs, and for AMX whole tiles of rows (zeros).
   int64_t pad_rows = amx ? (M + AMX_TILE - 1) / AMX_TILE * AMX_TILE - M : 0;
-  auto x2 = K % 2 || pad_rows ? torch::constant_pad_nd(x.reshape({M, K}), {0, K % 2, 0, pad_rows}) : x.contiguous();
+  auto x2 = K % 2 || pad_rows ? at::constant_pad_nd(x.reshape({M, K}), {0, K % 2, 0, pad_rows}) : x.contiguous();
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x2.data_ptr<at::BFloat16>());
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
   int64_t block_bytes = K2 * BLOCK * 4;
@@ -971,20 +976,20 @@ static void gather_columns(const int64_t* ids, int64_t n, const T* p, int64_t K,
 
 // An embedding lookup's indices as int64, each checked against the rows packed, and its output
 // [*idx.shape, dim].
-static std::pair<torch::Tensor, torch::Tensor> lookup(const torch::Tensor& idx, int64_t rows, int64_t dim,
-                                                      torch::TensorOptions options, const char* op) {
-  auto ids = idx.to(torch::kLong).contiguous();
+static std::pair<at::Tensor, at::Tensor> lookup(const at::Tensor& idx, int64_t rows, int64_t dim,
+                                                      at::TensorOptions options, const char* op) {
+  auto ids = idx.to(at::kLong).contiguous();
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t r = 0; r < ids.numel(); r++)
     TORCH_CHECK(ip[r] >= 0 && ip[r] < rows, op, ": index ", ip[r], " out of range");
   auto shape = idx.sizes().vec();
   shape.push_back(dim);
-  return {ids, torch::empty(shape, options)};
+  return {ids, at::empty(shape, options)};
 }
 
-torch::Tensor packed_embedding(const torch::Tensor& idx, const torch::Tensor& packed, int64_t dim) {
-  bool pairs = packed.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(pairs ? packed.dim() == 4 && packed.size(3) == 2 : packed.scalar_type() == torch::kFloat && packed.dim() == 3,
+at::Tensor packed_embedding(const at::Tensor& idx, const at::Tensor& packed, int64_t dim) {
+  bool pairs = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(pairs ? packed.dim() == 4 && packed.size(3) == 2 : packed.scalar_type() == at::kFloat && packed.dim() == 3,
               "packed_embedding: a weight packed by kernels.py");
   int64_t K = pairs ? packed.size(1) * 2 : packed.size(1), rows = packed.size(0) * BLOCK;
   TORCH_CHECK(dim <= K, "packed_embedding: ", dim, " features of ", K);
@@ -999,18 +1004,18 @@ torch::Tensor packed_embedding(const torch::Tensor& idx, const torch::Tensor& pa
 
 // Rows of the embedding tied to a packed int8 output projection (pack_int8's layouts), times their
 // scales, in fp32.
-torch::Tensor packed_embedding_int8(const torch::Tensor& idx, const torch::Tensor& packed, const torch::Tensor& scales,
+at::Tensor packed_embedding_int8(const at::Tensor& idx, const at::Tensor& packed, const at::Tensor& scales,
                                     int64_t dim) {
   bool lanes = packed.dim() == 4;  // INTEGER_ISAS: uint8 w + 128 [N / 32, Kp / 4, 32, 4]; else int8 [N / 32, K, 32]
-  TORCH_CHECK(lanes ? packed.scalar_type() == torch::kByte && packed.size(2) == BLOCK && packed.size(3) == 4
-                    : packed.scalar_type() == torch::kChar && packed.dim() == 3 && packed.size(2) == BLOCK,
+  TORCH_CHECK(lanes ? packed.scalar_type() == at::kByte && packed.size(2) == BLOCK && packed.size(3) == 4
+                    : packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.size(2) == BLOCK,
               "packed_embedding_int8: a weight packed by kernels.pack_int8");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.numel() == packed.size(0) * BLOCK &&
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == packed.size(0) * BLOCK &&
                   packed.is_contiguous() && scales.is_contiguous(),
               "packed_embedding_int8: fp32 scales, one per packed row");
   int64_t K = lanes ? packed.size(1) * 4 : packed.size(1), rows = packed.size(0) * BLOCK;
   TORCH_CHECK(dim <= K, "packed_embedding_int8: ", dim, " features of ", K);
-  auto [ids, out] = lookup(idx, rows, dim, torch::dtype(torch::kFloat), "packed_embedding_int8");
+  auto [ids, out] = lookup(idx, rows, dim, at::dtype(at::kFloat), "packed_embedding_int8");
   const int64_t* ip = ids.data_ptr<int64_t>();
   const uint8_t* p = (const uint8_t*)packed.data_ptr();
   const float* s = scales.data_ptr<float>();
@@ -1028,20 +1033,20 @@ torch::Tensor packed_embedding_int8(const torch::Tensor& idx, const torch::Tenso
 
 // Rows of the embedding tied to a packed int4 output projection (pack_int4's layouts), dequantized
 // as dequantize_int4 does, (code - 8) * scale + zero, in fp32.
-torch::Tensor packed_embedding_int4(const torch::Tensor& idx, const torch::Tensor& packed, const torch::Tensor& sz,
+at::Tensor packed_embedding_int4(const at::Tensor& idx, const at::Tensor& packed, const at::Tensor& sz,
                                     int64_t dim) {
   bool lanes = packed.dim() == 4;  // INTEGER_ISAS: [N / 32, Kp / 4, 16, 4]; else [N / 32, Kp, 16]
-  TORCH_CHECK(packed.scalar_type() == torch::kByte && (lanes ? packed.size(3) == 4 : packed.dim() == 3) &&
+  TORCH_CHECK(packed.scalar_type() == at::kByte && (lanes ? packed.size(3) == 4 : packed.dim() == 3) &&
                   packed.size(2) == BLOCK / 2,
               "packed_embedding_int4: a weight packed by kernels.pack_int4");
   bool zeros = sz.dim() == 4;  // [N / 32, G, 2, 32]; or the scales alone, [N / 32, G, 32]
-  TORCH_CHECK(sz.scalar_type() == torch::kBFloat16 && sz.size(0) == packed.size(0) && sz.size(-1) == BLOCK &&
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.size(0) == packed.size(0) && sz.size(-1) == BLOCK &&
                   (zeros ? sz.size(2) == 2 : sz.dim() == 3) && packed.is_contiguous() && sz.is_contiguous(),
               "packed_embedding_int4: scales (and zeros) packed by kernels.pack_int4");
   int64_t K = lanes ? packed.size(1) * 4 : packed.size(1), rows = packed.size(0) * BLOCK, G = sz.size(1);
   TORCH_CHECK(K % G == 0 && dim <= K, "packed_embedding_int4: ", dim, " features of ", K, " in ", G, " groups");
   int64_t group = K / G, stride = sz_per_group(zeros);
-  auto [ids, out] = lookup(idx, rows, dim, torch::dtype(torch::kFloat), "packed_embedding_int4");
+  auto [ids, out] = lookup(idx, rows, dim, at::dtype(at::kFloat), "packed_embedding_int4");
   const int64_t* ip = ids.data_ptr<int64_t>();
   const uint8_t* p = packed.data_ptr<uint8_t>();
   const at::BFloat16* s = sz.data_ptr<at::BFloat16>();
@@ -1061,15 +1066,13 @@ torch::Tensor packed_embedding_int4(const torch::Tensor& idx, const torch::Tenso
 
 bool attention_supported();  // attention.cpp
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("best_isa", &best_isa);
-  m.def("has_bf16_dot", &has_bf16_dot);
-  m.def("attention_supported", &attention_supported);
-}
-
 // Operators of torch's own registry, so that a compiled graph calls the kernels without passing
 // through Python (kernels.py adds the shape functions torch.compile traces with).
 TORCH_LIBRARY(brisk, m) {
+  // What the CPU can run, asked once by kernels.py.
+  m.def("best_isa() -> str", &best_isa);
+  m.def("has_bf16_dot() -> bool", &has_bf16_dot);
+  m.def("attention_supported() -> bool", &attention_supported);
   // isa: kernels.ISA_CODES. An int, not the name: inductor's C++ wrapper calls ops whose arguments
   // are all tensors and numbers through a light C call, a string through heavy boxed dispatch code
   // (a minute longer to compile a 30-layer step).

@@ -7,7 +7,10 @@
 // converts), so bf16 results equal PyTorch's but where a sum in another order rounds the other way.
 // AVX-512 (simd.h) or AVX2, by the ops' isa argument (kernels.ISA_CODES, as the products'); RoPE
 // plain C++ the compiler vectorises. Built with kernels.cpp into one extension (kernels.py).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -113,7 +116,7 @@ void silu_mul_rows(const T* gu, T* y, int64_t rows, int64_t H, bool avx512) {
 // x [B, T, H, hd] (any strides but the last), rope [T or B * T, rd, 2] (cos, sin) fp32 -> y
 // contiguous: feature i rotated with i + rd / 2 (HF's rotate_half), features past rd copied.
 template <typename T>
-void rope_rows(const torch::Tensor& x, const float* rope, int64_t rope_b_stride, int64_t rd, T* y) {
+void rope_rows(const at::Tensor& x, const float* rope, int64_t rope_b_stride, int64_t rd, T* y) {
   int64_t B = x.size(0), Tn = x.size(1), H = x.size(2), hd = x.size(3), half = rd / 2;
   const T* xd = x.data_ptr<T>();
   int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
@@ -134,13 +137,13 @@ void rope_rows(const torch::Tensor& x, const float* rope, int64_t rope_b_stride,
   });
 }
 
-bool float_or_bf16(const torch::Tensor& t) {
-  return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
+bool float_or_bf16(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
 }
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset, int64_t isa) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, double offset, int64_t isa) {
   check_avx2();
   TORCH_CHECK(float_or_bf16(x) && weight.scalar_type() == x.scalar_type(),
               "rms_norm: x and weight both float32 or both bfloat16");
@@ -148,9 +151,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == D, "rms_norm: weight of x's last dimension");
   x = x.contiguous();
   weight = weight.contiguous();
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   int64_t rows = D ? x.numel() / D : 0;
-  if (x.scalar_type() == torch::kFloat)
+  if (x.scalar_type() == at::kFloat)
     rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), rows, D, eps, offset, wide(isa));
   else
     rms_norm_rows(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), rows,
@@ -158,26 +161,26 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double
   return y;
 }
 
-torch::Tensor silu_mul(torch::Tensor gate_up, int64_t hidden, int64_t isa) {
+at::Tensor silu_mul(at::Tensor gate_up, int64_t hidden, int64_t isa) {
   check_avx2();
   TORCH_CHECK(float_or_bf16(gate_up) && gate_up.size(-1) == 2 * hidden,
               "silu_mul: gate_up float32 or bfloat16, its last dimension 2 * hidden");
   gate_up = gate_up.contiguous();
   auto shape = gate_up.sizes().vec();
   shape.back() = hidden;
-  auto y = torch::empty(shape, gate_up.options());
+  auto y = at::empty(shape, gate_up.options());
   int64_t rows = hidden ? gate_up.numel() / (2 * hidden) : 0;
-  if (gate_up.scalar_type() == torch::kFloat)
+  if (gate_up.scalar_type() == at::kFloat)
     silu_mul_rows(gate_up.data_ptr<float>(), y.data_ptr<float>(), rows, hidden, wide(isa));
   else
     silu_mul_rows(gate_up.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), rows, hidden, wide(isa));
   return y;
 }
 
-torch::Tensor apply_rope(torch::Tensor x, torch::Tensor rope) {
+at::Tensor apply_rope(at::Tensor x, at::Tensor rope) {
   check_avx2();
   TORCH_CHECK(float_or_bf16(x) && x.dim() == 4, "apply_rope: x [B, T, heads, head_dim] float32 or bfloat16");
-  TORCH_CHECK(rope.scalar_type() == torch::kFloat && rope.size(-1) == 2 && rope.size(-2) <= x.size(3) &&
+  TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.size(-1) == 2 && rope.size(-2) <= x.size(3) &&
                   rope.size(-2) % 2 == 0 &&
                   (rope.dim() == 3 || rope.dim() == 4 && (rope.size(0) == x.size(0) || rope.size(0) == 1)) &&
                   rope.size(-3) == x.size(1),
@@ -186,8 +189,8 @@ torch::Tensor apply_rope(torch::Tensor x, torch::Tensor rope) {
   rope = rope.contiguous();
   int64_t rd = rope.size(-2);
   int64_t rope_b_stride = rope.dim() == 4 && rope.size(0) > 1 ? x.size(1) * rd * 2 : 0;  // else one for every row
-  auto y = torch::empty(x.sizes(), x.options());
-  if (x.scalar_type() == torch::kFloat)
+  auto y = at::empty(x.sizes(), x.options());
+  if (x.scalar_type() == at::kFloat)
     rope_rows<float>(x, rope.data_ptr<float>(), rope_b_stride, rd, y.data_ptr<float>());
   else
     rope_rows<at::BFloat16>(x, rope.data_ptr<float>(), rope_b_stride, rd, y.data_ptr<at::BFloat16>());

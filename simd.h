@@ -4,7 +4,7 @@
 // bf16 rounding, exp.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <immintrin.h>
 
 #include <algorithm>
