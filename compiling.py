@@ -168,6 +168,9 @@ def precompiled(fn: Callable, model, args: tuple, kwargs: dict, signature: tuple
         except (OSError, RuntimeError, ValueError, KeyError) as e:
             print(f"compiling: {path} does not load ({type(e).__name__}); compiling again", file=sys.stderr, flush=True)
             path.unlink(missing_ok=True)
+    # The wait a first run has no other sign of: half a minute or more on a few cores.
+    print(f"compiling: {fn.__qualname__} ahead of time for this model and call (once; later runs load it)",
+          file=sys.stderr, flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: export_and_package(fn, model, args, kwargs, tmp, dynamic_rows))
     step = load_package(path, model)
