@@ -325,7 +325,7 @@ AVX2 void attend_chunk8(const float* q, int64_t R, int64_t D, const T* k, const 
 
 template <class T>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const int64_t* rows, const at::Tensor& mask, double scale, bool avx512) {
+                  const int64_t* rows, const at::Tensor& mask, double scale, bool avx512) {
   int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = mask.size(-1);
   const int64_t lanes = avx512 ? 16 : 8;
   int64_t cache_S = k_cache.size(2), vecs = 1;
@@ -754,7 +754,7 @@ void attend_prompt(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 // the positions from the first any of its rows sees to the last (from the mask rows).
 template <class E, class C>
 at::Tensor attend_many(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const int64_t* rows, const at::Tensor& mask, float scale, bool avx512) {
+                       const int64_t* rows, const at::Tensor& mask, float scale, bool avx512) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = mask.size(-1);
   const int64_t cache_S = k_cache.size(2), Sp = key_stride(S), blocks = (R + QBLOCK - 1) / QBLOCK;
   const bool per_row = mask.dim() == 4;
@@ -804,8 +804,8 @@ bool attention_supported() {  // AVX-512's code (else AVX2's): kernels.py and ro
 // [R, S] or [B, 1, R, S], true where a query row sees a position (S <= S'). Returns softmax(q k^T * scale, masked) v,
 // [B, H, R, D] in q's dtype. isa (kernels.ISA_CODES, as the products'): 0 AVX2, else AVX-512 where the CPU has it.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                               const c10::optional<at::Tensor>& rows, const at::Tensor& mask, double scale,
-                               int64_t isa) {
+                            const c10::optional<at::Tensor>& rows, const at::Tensor& mask, double scale,
+                            int64_t isa) {
   check_avx2();
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.size(1) == q.size(1) && k_cache.size(3) == q.size(3),
@@ -854,7 +854,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 // [B, T, H * D] in q's dtype (the layout the output projection reads). isa (kernels.ISA_CODES, as
 // the products'): 0 AVX2, else AVX-512 where the CPU has it.
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                               int64_t isa) {
+                            int64_t isa) {
   check_avx2();
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == q.size(0) &&
                   k.size(2) == q.size(2) && k.size(3) == q.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,

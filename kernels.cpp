@@ -744,7 +744,7 @@ static int64_t block_group_bytes() {
 // loads (nullptr: none).
 template <class Tile>
 static at::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t block_bytes, int64_t rows_per_tile,
-                         const at::Tensor& x, int64_t isa, Tile tile, const TileConfig* tiles = nullptr) {
+                      const at::Tensor& x, int64_t isa, Tile tile, const TileConfig* tiles = nullptr) {
   auto shape = x.sizes().vec();
   shape.back() = N;
   auto y = at::empty(shape, x.options());  // fp32, or bf16 (rounded from the fp32 sums)
@@ -784,7 +784,7 @@ static at::Tensor run(int64_t M, int64_t N, int64_t blocks, int64_t block_bytes,
 // The fp32-FMA tiles for a weight format W (`format(b, m)`: block b's, for rows from m).
 template <class Format>
 static at::Tensor run_fma(const at::Tensor& x, int64_t N, int64_t blocks, int64_t block_bytes, int64_t isa,
-                             Format format) {
+                          Format format) {
   bool wide = isa == ISA_AVX512 || isa == ISA_AVX512VNNI;
   TORCH_CHECK(wide || isa == ISA_AVX2, "kernels: unknown instruction set ", isa);
   int64_t K = x.size(-1);
@@ -809,7 +809,7 @@ static at::Tensor run_fma(const at::Tensor& x, int64_t N, int64_t blocks, int64_
 
 template <bool INT4>
 static at::Tensor run_integer(const at::Tensor& x, int64_t N, int64_t blocks, int64_t Kp, const uint8_t* w,
-                                 const float* scales, const uint16_t* sz, bool zeros, int64_t group, int64_t isa) {
+                              const float* scales, const uint16_t* sz, bool zeros, int64_t group, int64_t isa) {
   int64_t K = x.size(-1), M = x.numel() / K, bytes = INT4 ? BLOCK / 2 : BLOCK, nb = Kp / BLOCK;
   QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K, Kp);
   // int4's zero term takes the sums of the rounded x too, so that the rounding's error is
@@ -863,7 +863,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int6
 // int8: packed int8 [N / 32, K, 32] (AVX-512 FMA), or uint8 [N / 32, Kp / 4, 32, 4] holding w + 128
 // (integer products: VNNI, AVX2).
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
-                          int64_t isa) {
+                       int64_t isa) {
   bool integer = integer_products(isa);
   int64_t blocks = packed.size(0), K = x.size(-1), Kp = integer ? packed.size(1) * 4 : packed.size(1);
   TORCH_CHECK(integer ? packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(2) == BLOCK &&
@@ -884,7 +884,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::
 // whole groups (x may have fewer features: the padding meets no x); bf16 scales and zeros
 // [N / 32, groups, 2, 32], or scales alone [N / 32, groups, 32] where every zero is 0.
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t N,
-                          int64_t isa) {
+                       int64_t isa) {
   bool integer = integer_products(isa);
   int64_t blocks = packed.size(0), Kp = integer ? packed.size(1) * 4 : packed.size(1), groups = sz.size(1),
           K = x.size(-1);
@@ -977,7 +977,7 @@ static void gather_columns(const int64_t* ids, int64_t n, const T* p, int64_t K,
 // An embedding lookup's indices as int64, each checked against the rows packed, and its output
 // [*idx.shape, dim].
 static std::pair<at::Tensor, at::Tensor> lookup(const at::Tensor& idx, int64_t rows, int64_t dim,
-                                                      at::TensorOptions options, const char* op) {
+                                                at::TensorOptions options, const char* op) {
   auto ids = idx.to(at::kLong).contiguous();
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t r = 0; r < ids.numel(); r++)
@@ -1005,7 +1005,7 @@ at::Tensor packed_embedding(const at::Tensor& idx, const at::Tensor& packed, int
 // Rows of the embedding tied to a packed int8 output projection (pack_int8's layouts), times their
 // scales, in fp32.
 at::Tensor packed_embedding_int8(const at::Tensor& idx, const at::Tensor& packed, const at::Tensor& scales,
-                                    int64_t dim) {
+                                 int64_t dim) {
   bool lanes = packed.dim() == 4;  // INTEGER_ISAS: uint8 w + 128 [N / 32, Kp / 4, 32, 4]; else int8 [N / 32, K, 32]
   TORCH_CHECK(lanes ? packed.scalar_type() == at::kByte && packed.size(2) == BLOCK && packed.size(3) == 4
                     : packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.size(2) == BLOCK,
@@ -1034,7 +1034,7 @@ at::Tensor packed_embedding_int8(const at::Tensor& idx, const at::Tensor& packed
 // Rows of the embedding tied to a packed int4 output projection (pack_int4's layouts), dequantized
 // as dequantize_int4 does, (code - 8) * scale + zero, in fp32.
 at::Tensor packed_embedding_int4(const at::Tensor& idx, const at::Tensor& packed, const at::Tensor& sz,
-                                    int64_t dim) {
+                                 int64_t dim) {
   bool lanes = packed.dim() == 4;  // INTEGER_ISAS: [N / 32, Kp / 4, 16, 4]; else [N / 32, Kp, 16]
   TORCH_CHECK(packed.scalar_type() == at::kByte && (lanes ? packed.size(3) == 4 : packed.dim() == 3) &&
                   packed.size(2) == BLOCK / 2,
