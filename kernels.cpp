@@ -15,7 +15,7 @@
 // Blocks are split between torch's threads. Built at first use by kernels.py; the instruction set
 // is picked at run time (functions compiled per target, chosen by what the CPU reports).
 // ATen's tensor and torch's op registry alone: torch/extension.h (pybind11, the C++ frontend) would
-// add ~20 s of parsing to each file's compile, a first run's wait.
+// be most of each file's compile, a first run's wait (README, How it works).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/constant_pad_nd.h>
