@@ -2,6 +2,8 @@
 default model (SmolLM2-135M-Instruct) converted from its GGUF."""
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -206,6 +208,14 @@ FAMILIES = {
         num_key_value_heads=2, embedding_multiplier=12.0, attention_multiplier=1 / 16,
         residual_multiplier=0.22, logits_scaling=4.0)),
 }
+
+
+def run_test_file(test_file, **env) -> subprocess.CompletedProcess:
+    """Run one test file with pytest in a process of its own, with `env` added to the environment
+    (what must be set before torch or triton is imported); from the repository's root."""
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
+                          env=dict(os.environ, **env), cwd=Path(__file__).parent.parent, capture_output=True,
+                          text=True)
 
 
 def huge_page_memory(t: torch.Tensor) -> bool:

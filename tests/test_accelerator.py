@@ -8,7 +8,6 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-import kernels
 import quantize
 import quantized
 from conftest import make_hf_model, save_and_convert
@@ -16,7 +15,7 @@ from compiling import compile_step
 from decode import decode_one_token, generate
 from load import load_model
 from speculative import speculative_generate, verify
-from test_quantize import KERNEL_ERRORS, MODELS, dequantized_model, rel_error, save_random_model, step_logits
+from test_quantize import MODELS, dequantized_model, rel_error, rounding_bound, save_random_model, step_logits
 
 DEVICE = os.environ.get("BRISK_TEST_DEVICE", "cuda")
 AVAILABLE = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available, "cpu": lambda: True}
@@ -85,10 +84,7 @@ def test_quantized_step_matches_dequantized_weights(tmp_path, model_kind, mode, 
     if mode == "int4" and DEVICE.startswith("cuda"):
         assert {m.kernel for m in model.modules() if isinstance(m, quantized.Int4Linear)} == {"cuda"}
     got = step_logits(model, reference, DEVICE)
-    # bf16 activations: ~1% of the scale. On a CPU (BRISK_TEST_DEVICE=cpu) kernels.cpp's integer
-    # products also round them to int8 per 32 columns, as test_quantize bounds them.
-    packed = any(getattr(m, "kernel", None) == "packed" for m in model.modules())
-    bound = KERNEL_ERRORS["avx512vnni"] if packed and kernels.best_isa() in kernels.INTEGER_ISAS else 0.03
+    bound = rounding_bound(model, 0.03)  # (on a CPU, BRISK_TEST_DEVICE=cpu: kernels.cpp's int8 rounding)
     for name in ("eager", "compiled"):
         assert rel_error(got[name], got["reference"]) < bound, name
 

@@ -4,14 +4,12 @@ the CPU. Skipped where triton is not installed: it comes with PyTorch's CUDA bui
 `pip install triton` adds it to a CPU one (not in requirements-dev.txt: with triton installed,
 every torch.compile on the CPU imports it, ~80 MB more resident memory in the benchmark's runs)."""
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import quantized
+from conftest import run_test_file
 from model import ModelArgs, Transformer
 
 pytest.importorskip("triton")
@@ -24,9 +22,7 @@ CHILD = DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
 
 @pytest.mark.skipif(not CHILD, reason="runs the tests below in Triton's interpreter")
 def test_in_triton_interpreter():
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=dict(os.environ, TRITON_INTERPRET="1"), cwd=Path(__file__).parent.parent,
-                         capture_output=True, text=True)
+    run = run_test_file(__file__, TRITON_INTERPRET="1")
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-4000:] + run.stderr[-2000:]
 
 

@@ -516,9 +516,7 @@ def test_compiled_int4_step_matches_dequantized_weights(tmp_path, model_kind):
     packed = any(getattr(m, "kernel", None) == "packed" for m in model.modules())
     if model_kind == "llama" and not packed and torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         assert counters["inductor"]["cpp_templated_kernel_counter"] > 0, "the int4 template did not run"
-    # Activations are rounded to bf16 for ATen's int4 kernels (~1% of the logits' scale), to int8
-    # per 32 columns for kernels.cpp's integer ones (VNNI, AVX2).
-    bound = 0.02 if not packed or kernels.best_isa() not in kernels.INTEGER_ISAS else KERNEL_ERRORS["avx512vnni"]
+    bound = rounding_bound(model, 0.02)  # ATen's int4 kernels round the activations to bf16
     for name in ("eager", "compiled"):
         assert rel_error(got[name], got["reference"]) < bound, name
     assert got["compiled"].argmax() == got["reference"].argmax()
@@ -534,6 +532,14 @@ def test_compiled_step_uses_its_own_checkpoints_weights(tmp_path, mode, groupsiz
         torch._dynamo.reset()
         got = step_logits(model, model, "cpu")
         assert rel_error(got["compiled"], got["eager"]) < 0.02, seed
+
+
+def rounding_bound(model, otherwise: float) -> float:
+    """The bound of a quantized model's logits against its dequantized weights' where its products
+    are kernels.cpp's integer ones (VNNI, AVX2), which round the activations to int8 per 32 columns;
+    elsewhere `otherwise` (bf16 activations: ~1% of the logits' scale)."""
+    packed = any(getattr(m, "kernel", None) == "packed" for m in model.modules())
+    return KERNEL_ERRORS["avx512vnni"] if packed and kernels.best_isa() in kernels.INTEGER_ISAS else otherwise
 
 
 def step_logits(model, reference, device) -> dict:
